@@ -1,0 +1,52 @@
+"""The `huggingface/` folder of a checkpoint: config, tokenizer and safetensors weights that transformers and
+vLLM load as they load any Hugging Face model."""
+
+import os
+from typing import Dict, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from fsdptrain.distributed.fsdp import DTYPES
+
+# Config fields that must agree for a checkpoint's weights to fit a model.
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def save_hf_folder(
+    out: str,
+    config: PretrainedConfig,
+    generation_config: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    state: Optional[Dict[str, torch.Tensor]],
+    dtype: str,
+) -> None:
+    """Write config and tokenizer, plus the weights in `dtype` when a full `state` is given.
+
+    The weights go through transformers' own `save_pretrained`, which writes the standard safetensors layout,
+    drops tied duplicates and shards large models with an index.
+    """
+    os.makedirs(out, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    generation_config.save_pretrained(out)
+    if state is None:
+        config.save_pretrained(out)
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    loaded = model.load_state_dict(state, assign=True, strict=False)
+    model.tie_weights()  # a tied output layer may be absent from `state`: it is the input embedding
+    unfilled = [name for name, p in model.named_parameters() if p.is_meta]
+    if unfilled or loaded.unexpected_keys:
+        raise ValueError(f"weights do not fit {config.model_type}: missing {unfilled}, unexpected {loaded.unexpected_keys}")
+    model.to(DTYPES[dtype])
+    model.generation_config = generation_config
+    model.save_pretrained(out)

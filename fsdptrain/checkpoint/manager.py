@@ -1,0 +1,238 @@
+"""Save, resume and rotate checkpoints; shared by every trainer.
+
+    {root}/latest_checkpointed_iteration.txt   the last complete step, written atomically after the rename
+    {root}/global_step_{N}/meta.json            step, contents, world size
+                          model/ optimizer/     torch.distributed.checkpoint shards (reshardable)
+                          extra/                scheduler, data position, config (state.pt), RNG per rank
+                          huggingface/          config, tokenizer, and safetensors weights with hf_model
+
+A save is written to `.global_step_{N}.tmp` and renamed only after every rank has finished, so a process
+killed mid-save leaves an unfinished temporary folder that is never taken for a checkpoint.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim.lr_scheduler import LRScheduler
+from transformers import PreTrainedTokenizerBase
+
+from fsdptrain.checkpoint.hf_export import ARCHITECTURE_KEYS, save_hf_folder
+from fsdptrain.config.schema import ConfigError, TrainerConfig
+from fsdptrain.distributed.mesh import Parallel
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the previous complete checkpoint is untouched."""
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def complete_checkpoints(root: str) -> List[int]:
+    """Steps of the complete checkpoints under root, oldest first (temporary folders are not complete)."""
+    if not os.path.isdir(root):
+        return []
+    steps = [int(m.group(1)) for name in os.listdir(root) if (m := STEP_DIR.match(name))]
+    return sorted(s for s in steps if os.path.isfile(os.path.join(root, f"global_step_{s}", "meta.json")))
+
+
+def read_meta(step_dir: str) -> Dict[str, Any]:
+    path = os.path.join(step_dir, "meta.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"trainer.resume_from_path={step_dir!r} is not a checkpoint folder (no meta.json)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        parallel: Parallel,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LRScheduler,
+        tokenizer: PreTrainedTokenizerBase,
+        run_config: dict,
+    ):
+        self.config = config
+        self.root = config.default_local_dir
+        self.parallel = parallel
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.run_config = run_config
+        self.save_contents = list(config.checkpoint.save_contents)
+        self.load_contents = list(config.checkpoint.load_contents or self.save_contents)
+
+    def _agree(self, error: Optional[BaseException]) -> None:
+        """Raise on every rank if any rank failed, so no rank waits forever on the others."""
+        failed = torch.tensor([error is not None], dtype=torch.int32, device=self.parallel.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise CheckpointError(f"checkpoint save under {self.root} failed: {error}") from error
+        if failed.item():
+            raise CheckpointError(f"checkpoint save under {self.root} failed on another rank")
+
+    def _run_everywhere(self, fn) -> None:
+        try:
+            fn()
+            error = None
+        except (OSError, RuntimeError, dcp.CheckpointException) as e:
+            error = e
+        self._agree(error)
+
+    def _run_on_main(self, fn) -> None:
+        self._run_everywhere(lambda: fn() if self.parallel.is_main else None)
+
+    # ---- save -------------------------------------------------------------------------------------------
+    def save(self, step: int) -> str:
+        final = os.path.join(self.root, f"global_step_{step}")
+        tmp = os.path.join(self.root, f".global_step_{step}.tmp")
+
+        def prepare() -> None:
+            os.makedirs(self.root, exist_ok=True)
+            for name in os.listdir(self.root):  # leftovers of saves killed midway
+                if name.startswith(".global_step_") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "extra"))
+
+        self._run_on_main(prepare)
+        if "model" in self.save_contents:
+            self._run_everywhere(lambda: dcp.save(get_model_state_dict(self.model), checkpoint_id=os.path.join(tmp, "model")))
+        if "optimizer" in self.save_contents:
+            state = get_optimizer_state_dict(self.model, self.optimizer)
+            self._run_everywhere(lambda: dcp.save(state, checkpoint_id=os.path.join(tmp, "optimizer")))
+        if "extra" in self.save_contents:
+            self._run_everywhere(lambda: torch.save(_rng_state(), os.path.join(tmp, "extra", f"rng_rank{self.parallel.rank}.pt")))
+            extra = {"global_step": step, "scheduler": self.scheduler.state_dict(), "config": self.run_config}
+            self._run_on_main(lambda: torch.save(extra, os.path.join(tmp, "extra", "state.pt")))
+        full_state = None
+        if "hf_model" in self.save_contents:
+            full_state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        hf_dtype = self.run_config["model"]["fsdp_config"]["model_dtype"]
+        self._run_on_main(
+            lambda: save_hf_folder(
+                os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype
+            )
+        )
+
+        def publish() -> None:
+            meta = {"global_step": step, "contents": self.save_contents, "world_size": self.parallel.world_size}
+            write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta))
+            if os.path.exists(final):  # re-saving a step (a run resumed before it): replace it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_atomic(os.path.join(self.root, TRACKER), str(step))
+            self._rotate()
+
+        self._run_on_main(publish)
+        return final
+
+    def _rotate(self) -> None:
+        keep = self.config.max_ckpt_to_keep
+        if keep is None:
+            return
+        for step in complete_checkpoints(self.root)[:-keep]:
+            shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
+
+    # ---- resume -----------------------------------------------------------------------------------------
+    def _resume_dir(self) -> Optional[str]:
+        mode = self.config.resume_mode
+        if mode == "disable":
+            return None
+        if mode == "resume_path":
+            path = self.config.resume_from_path
+            if not os.path.isdir(path):
+                raise ConfigError(f"trainer.resume_from_path={path!r} does not exist")
+            read_meta(path)
+            return path
+        tracker = os.path.join(self.root, TRACKER)
+        if not os.path.isfile(tracker):
+            return None
+        with open(tracker) as f:
+            path = os.path.join(self.root, f"global_step_{int(f.read().strip())}")
+        if not os.path.isfile(os.path.join(path, "meta.json")):
+            raise CheckpointError(f"{tracker} names {path}, which is not a complete checkpoint")
+        return path
+
+    def _check_compatible(self, path: str, meta: Dict[str, Any]) -> None:
+        missing = [c for c in self.load_contents if c not in meta["contents"]]
+        if missing:
+            raise ConfigError(
+                f"trainer.checkpoint.load_contents asks for {missing}, but {path} holds only {meta['contents']}"
+            )
+        with open(os.path.join(path, "huggingface", "config.json")) as f:
+            saved = json.load(f)
+        current = self.model.config.to_dict()
+        different = {k: (saved.get(k), current.get(k)) for k in ARCHITECTURE_KEYS if saved.get(k) != current.get(k)}
+        if different:
+            raise ConfigError(
+                f"checkpoint {path} is of another model architecture than model.partial_pretrain: "
+                + ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in different.items())
+            )
+
+    def resume(self) -> int:
+        """Load the checkpoint that resume_mode selects; returns the step to continue from (0 if none)."""
+        path = self._resume_dir()
+        if path is None:
+            return 0
+        meta = read_meta(path)
+        self._check_compatible(path, meta)
+        if "model" in self.load_contents:
+            state = get_model_state_dict(self.model)
+            dcp.load(state, checkpoint_id=os.path.join(path, "model"))
+            set_model_state_dict(self.model, state)
+        if "optimizer" in self.load_contents:
+            state = get_optimizer_state_dict(self.model, self.optimizer)
+            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+            set_optimizer_state_dict(self.model, self.optimizer, state)
+        if "extra" not in self.load_contents:
+            return 0
+        extra = torch.load(os.path.join(path, "extra", "state.pt"), weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        rng_path = os.path.join(path, "extra", f"rng_rank{self.parallel.rank}.pt")
+        if os.path.isfile(rng_path):  # absent when resuming on more ranks than saved
+            _set_rng_state(torch.load(rng_path, weights_only=False))
+        return int(extra["global_step"])

@@ -1,0 +1,104 @@
+"""Global batches, their split over data-parallel ranks and micro-batches, and collation.
+
+A training step's samples depend only on (seed, epoch, batch index), never on the number of ranks, so a run
+resumed at another data-parallel size continues the same data order.
+"""
+
+import heapq
+from typing import Dict, List, Sequence
+
+import torch
+
+from fsdptrain.data.dataset import Sample
+
+IGNORE_INDEX = -100
+
+
+def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int, shuffle: bool) -> List[List[int]]:
+    """Sample indices of every full global batch of one epoch; the incomplete tail is dropped."""
+    if shuffle:
+        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    else:
+        order = list(range(num_samples))
+    return [order[i : i + batch_size] for i in range(0, num_samples - batch_size + 1, batch_size)]
+
+
+def rank_share(items: Sequence, rank: int, world: int) -> list:
+    """The contiguous `rank`-th of `world` equal parts of `items` (len(items) divisible by world)."""
+    size = len(items) // world
+    return list(items[rank * size : (rank + 1) * size])
+
+
+def split_by_count(samples: Sequence[Sample], micro_batch_size: int) -> List[List[Sample]]:
+    return [list(samples[i : i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]
+
+
+def balanced_partition(lengths: Sequence[int], parts: int) -> List[List[int]]:
+    """Indices split into `parts` groups of near-equal token sums (longest first onto the lightest group)."""
+    heap = [(0, part) for part in range(parts)]
+    groups: List[List[int]] = [[] for _ in range(parts)]
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        load, part = heapq.heappop(heap)
+        groups[part].append(index)
+        heapq.heappush(heap, (load + lengths[index], part))
+    return [sorted(g) for g in groups]
+
+
+def min_token_micro_batches(lengths: Sequence[int], max_tokens: int) -> int:
+    """The fewest micro-batches whose balanced partition keeps every one within `max_tokens`."""
+    parts = max(1, -(-sum(lengths) // max_tokens))
+    while any(sum(lengths[i] for i in g) > max_tokens for g in balanced_partition(lengths, parts)):
+        parts += 1
+    return parts
+
+
+def split_by_tokens(samples: Sequence[Sample], parts: int) -> List[List[Sample]]:
+    groups = balanced_partition([len(s) for s in samples], parts)
+    return [[samples[i] for i in group] for group in groups]
+
+
+def _labels(sample: Sample) -> torch.Tensor:
+    """Next-token targets: position t predicts token t+1 where that token is a loss token."""
+    labels = torch.full_like(sample.input_ids, IGNORE_INDEX)
+    targets = sample.input_ids[1:]
+    labels[:-1] = torch.where(sample.loss_mask[1:].bool(), targets, IGNORE_INDEX)
+    return labels
+
+
+def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1) -> Dict[str, torch.Tensor]:
+    """One row of concatenated samples; position_ids restart at 0 at each sample start.
+
+    With `pad_to_multiple` > 1 the row is padded at the end by a segment whose labels are ignored.
+    """
+    ids = [s.input_ids for s in samples]
+    positions = [torch.arange(len(s)) for s in samples]
+    labels = [_labels(s) for s in samples]
+    total = sum(len(s) for s in samples)
+    pad = -total % pad_to_multiple
+    if pad:
+        ids.append(torch.zeros(pad, dtype=torch.long))
+        positions.append(torch.arange(pad))
+        labels.append(torch.full((pad,), IGNORE_INDEX))
+    return {
+        "input_ids": torch.cat(ids)[None],
+        "position_ids": torch.cat(positions)[None],
+        "labels": torch.cat(labels)[None],
+    }
+
+
+def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> Dict[str, torch.Tensor]:
+    """A (batch, longest) batch padded on the right, with its attention mask."""
+    width = max(len(s) for s in samples)
+    batch = {
+        "input_ids": torch.full((len(samples), width), pad_token_id, dtype=torch.long),
+        "attention_mask": torch.zeros((len(samples), width), dtype=torch.long),
+        "position_ids": torch.zeros((len(samples), width), dtype=torch.long),
+        "labels": torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long),
+    }
+    for row, sample in enumerate(samples):
+        n = len(sample)
+        batch["input_ids"][row, :n] = sample.input_ids
+        batch["attention_mask"][row, :n] = 1
+        batch["position_ids"][row, :n] = torch.arange(n)
+        batch["labels"][row, :n] = _labels(sample)
+    return batch

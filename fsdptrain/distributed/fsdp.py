@@ -1,0 +1,35 @@
+"""FSDP2 applied to a plain Hugging Face causal LM: one group per decoder layer, then the root."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from fsdptrain.config.schema import FSDPConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def decoder_layers(model: nn.Module) -> list:
+    """The repeated blocks, found by the class names the model declares unsplittable."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find its decoder layers")
+    return layers
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: torch.device) -> None:
+    param_dtype = config.mixed_precision.param_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[config.mixed_precision.reduce_dtype]
+        ),
+        "reshard_after_forward": config.reshard_after_forward,
+    }
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)

@@ -1,0 +1,70 @@
+"""Process group, device and the (dp, sp) device mesh."""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdptrain.config.schema import ConfigError
+
+
+@dataclass
+class Parallel:
+    """Where this process sits: FSDP shards over all ranks; ranks of one SP group share their samples."""
+
+    device: torch.device
+    mesh: DeviceMesh  # 2-D, dims ("dp", "sp")
+    fsdp_mesh: DeviceMesh  # 1-D over every rank: parameters shard over dp and sp alike
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    sp_rank: int
+    sp_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("sp")
+
+
+def resolve_device(preference: str) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available")
+    if preference == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_parallel(device_preference: str, sp_size: int) -> Parallel:
+    """Join (or, run without torchrun, create) the process group and build the (dp, sp) mesh."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    device = resolve_device(device_preference)
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size % sp_size:
+        raise ConfigError(f"ulysses_sequence_parallel_size ({sp_size}) must divide the number of processes ({world_size})")
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    mesh = init_device_mesh(device.type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    return Parallel(
+        device=device,
+        mesh=mesh,
+        fsdp_mesh=init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",)),
+        rank=dist.get_rank(),
+        world_size=world_size,
+        dp_rank=mesh.get_local_rank("dp"),
+        dp_size=world_size // sp_size,
+        sp_rank=mesh.get_local_rank("sp"),
+        sp_size=sp_size,
+    )

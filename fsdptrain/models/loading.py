@@ -1,0 +1,89 @@
+"""Build a sharded causal LM from a Hugging Face folder.
+
+Every rank builds the model on the meta device and shards it; only rank 0 reads the weights (on CPU),
+and `set_model_state_dict` streams them to the shards, so no rank holds a full copy on the accelerator.
+Buffers that are not in the state dict (rotary `inv_freq`) are broadcast from rank 0 as well, because
+materializing a meta model leaves them uninitialized.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
+from fsdptrain.config.schema import ConfigError, ModelConfig
+from fsdptrain.distributed.fsdp import DTYPES, apply_fsdp
+from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.models.attention import PACKED_ATTENTION
+
+
+def check_model_folder(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model.partial_pretrain={path!r} is not a Hugging Face model folder (no config.json)")
+
+
+def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(config.partial_pretrain, trust_remote_code=config.trust_remote_code)
+    if not tokenizer.is_fast:
+        raise ConfigError(f"model.partial_pretrain={config.partial_pretrain!r}: a fast tokenizer is required")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def attention_implementation(config: ModelConfig, packed: bool) -> str:
+    if packed:
+        return PACKED_ATTENTION
+    return "sdpa" if config.attn_implementation == "auto" else config.attn_implementation
+
+
+def build_model(config: ModelConfig, parallel: Parallel, packed: bool) -> nn.Module:
+    """The sharded model, with the pretrained weights, on `parallel.device` (or CPU with offload)."""
+    check_model_folder(config.partial_pretrain)
+    dtype = DTYPES[config.fsdp_config.model_dtype]
+    hf_config: PretrainedConfig = AutoConfig.from_pretrained(
+        config.partial_pretrain, trust_remote_code=config.trust_remote_code
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf_config,
+            attn_implementation=attention_implementation(config, packed),
+            trust_remote_code=config.trust_remote_code,
+        ).to(dtype)
+    if os.path.isfile(os.path.join(config.partial_pretrain, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(config.partial_pretrain)
+    if config.enable_gradient_checkpointing:  # transformers 5 renamed the method; 4.x has only the old name
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_fsdp(model, parallel.fsdp_mesh, config.fsdp_config, parallel.device)
+    model.to_empty(device="cpu" if config.fsdp_config.cpu_offload else parallel.device)
+
+    pretrained = None
+    if parallel.is_main:
+        pretrained = AutoModelForCausalLM.from_pretrained(
+            config.partial_pretrain, dtype=dtype, trust_remote_code=config.trust_remote_code
+        )
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=config.fsdp_config.cpu_offload)
+    set_model_state_dict(model, pretrained.state_dict() if pretrained is not None else {}, options=options)
+    reference_buffers = dict(pretrained.named_buffers()) if pretrained is not None else {}
+    for name, buffer in model.named_buffers():
+        if parallel.is_main:
+            buffer.copy_(reference_buffers[name])
+        dist.broadcast(buffer, src=0)
+    if config.fsdp_config.cpu_offload:  # parameters live on CPU, but the forward needs its buffers on the device
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(parallel.device))
+    return model

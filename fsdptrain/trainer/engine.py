@@ -1,0 +1,86 @@
+"""The engine both trainers share: start-up, micro-batch planning, token-weighted backward, metrics."""
+
+import logging
+import random
+import resource
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+
+from fsdptrain.config.schema import DataConfig
+from fsdptrain.data.batching import collate_packed, collate_padded, min_token_micro_batches, split_by_count, split_by_tokens
+from fsdptrain.data.dataset import Sample
+from fsdptrain.distributed.mesh import Parallel
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def quiet_non_main(parallel: Parallel) -> None:
+    """Library warnings and logs appear once, from rank 0."""
+    if not parallel.is_main:
+        warnings.filterwarnings("ignore")
+        transformers.logging.set_verbosity_error()
+        logging.getLogger().setLevel(logging.ERROR)
+
+
+def plan_micro_batches(samples: Sequence[Sample], data: DataConfig, parallel: Parallel) -> List[Optional[List[Sample]]]:
+    """This rank's micro-batches; every rank gets the same count, padded with None where it has fewer.
+
+    FSDP needs the same number of forward passes on every rank, so the count is agreed across the world.
+    """
+    if not samples:
+        local: List[List[Sample]] = []
+    elif data.use_dynamic_bsz:
+        lengths = [len(s) for s in samples]
+        parts = torch.tensor(min_token_micro_batches(lengths, data.max_token_len_per_gpu))
+        dist.all_reduce(parts, op=dist.ReduceOp.MAX)
+        local = split_by_tokens(samples, min(int(parts), len(samples)))
+    else:
+        local = split_by_count(samples, data.micro_batch_size_per_gpu)
+    count = torch.tensor(len(local))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return local + [None] * (int(count) - len(local))
+
+
+def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel) -> Dict[str, torch.Tensor]:
+    batch = collate_packed(micro_batch, pad_to_multiple=parallel.sp_size) if packed else collate_padded(micro_batch, pad_token_id)
+    return {k: v.to(parallel.device, non_blocking=True) for k, v in batch.items()}
+
+
+def loss_tokens(micro_batch: Optional[Sequence[Sample]]) -> int:
+    """Training targets in a micro-batch: loss-mask positions that have a previous token to predict them."""
+    return sum(int(s.loss_mask[1:].sum()) for s in micro_batch or [])
+
+
+def all_reduce_sum(values: Sequence[float], device: torch.device) -> List[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def dp_all_reduce_sum(value: float, parallel: Parallel) -> float:
+    """Sum over data-parallel ranks (each SP group counted once)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=parallel.device)
+    dist.all_reduce(tensor, group=parallel.mesh.get_group("dp"))
+    return float(tensor)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or on CPU the peak resident set size of this process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)

@@ -1,0 +1,61 @@
+"""AdamW, the learning-rate schedules, and the clipped optimizer step."""
+
+import math
+from typing import Tuple
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from fsdptrain.config.schema import OptimConfig
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+
+
+def warmup_steps(config: OptimConfig, total_steps: int) -> int:
+    if config.lr_warmup_steps is not None:
+        return config.lr_warmup_steps
+    return int(config.lr_warmup_steps_ratio * total_steps)
+
+
+def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:
+    """The learning rate at optimizer step `step` (0-based) as a fraction of optim.lr."""
+    warmup = warmup_steps(config, total_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    floor = config.min_lr_ratio
+    if config.lr_scheduler == "constant":
+        return 1.0
+    if config.lr_scheduler == "cosine":
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    decay = max(1, round(config.wsd_decay_ratio * total_steps))  # wsd: warmup, stable, then linear decay
+    decay_start = max(warmup, total_steps - decay)
+    if step < decay_start:
+        return 1.0
+    return floor + (1 - floor) * max(0.0, 1 - (step - decay_start) / decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_factor(step, config, total_steps))
+
+
+def clipped_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, max_norm: float
+) -> Tuple[float, bool]:
+    """Clip on the global norm of the sharded gradients and step; a non-finite norm skips the update.
+
+    Returns (grad_norm, applied). The scheduler advances either way, so the schedule follows the step count.
+    """
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    norm = float(norm)
+    applied = math.isfinite(norm)
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return norm, applied

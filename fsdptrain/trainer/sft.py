@@ -1,0 +1,144 @@
+"""Supervised fine-tuning: the step loop on top of the shared engine."""
+
+import time
+from dataclasses import asdict
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdptrain.checkpoint.manager import CheckpointManager
+from fsdptrain.config.schema import ConfigError, SFTConfig, check_batch_layout
+from fsdptrain.data.batching import epoch_batches, rank_share
+from fsdptrain.data.dataset import Sample, load_sft_samples
+from fsdptrain.distributed.mesh import Parallel, init_parallel
+from fsdptrain.logging.metrics import MetricLogger, progress_bar
+from fsdptrain.models.loading import build_model, check_model_folder, load_tokenizer
+from fsdptrain.models.loss import token_nll_sum
+from fsdptrain.trainer.engine import (
+    all_reduce_sum,
+    collate,
+    dp_all_reduce_sum,
+    loss_tokens,
+    max_over_ranks,
+    peak_memory_gb,
+    plan_micro_batches,
+    quiet_non_main,
+    seed_everything,
+)
+from fsdptrain.trainer.optim import build_optimizer, build_scheduler, clipped_step
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: List[Optional[List[Sample]]],
+    config: SFTConfig,
+    parallel: Parallel,
+    pad_token_id: int,
+) -> List[float]:
+    """Forward and backward of one optimizer step's micro-batches. Returns this rank's [nll sum, tokens, seen tokens].
+
+    Gradients are those of the loss below; FSDP averages over all ranks, so each rank's loss is scaled by the
+    world size. balance_dp_token=true: every loss token of the step weighs 1 / (its global count).
+    false: verl's mean over micro-batches and DP ranks of each micro-batch's token mean.
+    """
+    packed = config.use_remove_padding
+    global_tokens = dp_all_reduce_sum(sum(loss_tokens(mb) for mb in micro_batches), parallel)
+    nll_total, tokens_total, seen = 0.0, 0, 0
+    for micro_batch in micro_batches:
+        batch = collate(micro_batch, packed, pad_token_id, parallel)
+        nll = token_nll_sum(model, batch)
+        tokens = loss_tokens(micro_batch)
+        if config.data.balance_dp_token:
+            denominator = max(global_tokens, 1.0)
+        else:
+            denominator = max(tokens, 1) * len(micro_batches) * parallel.dp_size
+        (nll * (parallel.world_size / denominator)).backward()
+        nll_total += float(nll.detach())
+        tokens_total += tokens
+        seen += sum(len(s) for s in micro_batch)
+    return [nll_total, tokens_total, seen]
+
+
+@torch.no_grad()
+def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, parallel: Parallel, pad_token_id: int) -> float:
+    """Token-mean loss over the whole validation set, each sample counted once."""
+    model.eval()
+    mine = list(samples[parallel.dp_rank :: parallel.dp_size])
+    nll_total, tokens_total = 0.0, 0
+    for micro_batch in plan_micro_batches(mine, config.data, parallel):
+        # A rank with fewer micro-batches still runs a forward (FSDP needs every rank), on a sample it discards.
+        batch = collate(micro_batch or samples[:1], config.use_remove_padding, pad_token_id, parallel)
+        nll = token_nll_sum(model, batch)
+        if micro_batch is not None:
+            nll_total += float(nll)
+            tokens_total += loss_tokens(micro_batch)
+    model.train()
+    nll_sum, token_sum = all_reduce_sum([nll_total, tokens_total * (parallel.sp_rank == 0)], parallel.device)
+    return nll_sum / max(token_sum, 1.0)
+
+
+def run_sft(config: SFTConfig) -> None:
+    parallel = init_parallel(config.trainer.device, config.ulysses_sequence_parallel_size)
+    quiet_non_main(parallel)
+    check_batch_layout(config.data, parallel.dp_size)
+    check_model_folder(config.model.partial_pretrain)
+    seed_everything(config.trainer.seed)
+
+    tokenizer = load_tokenizer(config.model)
+    train = load_sft_samples(config.data.train_files, tokenizer, config.data)
+    val = load_sft_samples(config.data.val_files, tokenizer, config.data) if config.data.val_files else []
+    steps_per_epoch = len(train) // config.data.train_batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"data.train_batch_size ({config.data.train_batch_size}) exceeds the {len(train)} training samples"
+        )
+    total_steps = config.trainer.total_training_steps or config.trainer.total_epochs * steps_per_epoch
+
+    model = build_model(config.model, parallel, packed=config.use_remove_padding)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim, total_steps)
+    checkpoints = CheckpointManager(config.trainer, parallel, model, optimizer, scheduler, tokenizer, asdict(config))
+    step = checkpoints.resume()
+    logger = MetricLogger(
+        config.trainer.logger,
+        config.trainer.default_local_dir,
+        config.trainer.project_name,
+        config.trainer.experiment_name,
+        asdict(config),
+        parallel.is_main,
+        resume_step=step,
+    )
+    bar = progress_bar(total_steps, step, parallel.is_main)
+    model.train()
+    while step < total_steps:
+        epoch, index = divmod(step, steps_per_epoch)
+        indices = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle)[index]
+        mine = [train[i] for i in rank_share(indices, parallel.dp_rank, parallel.dp_size)]
+        start = time.perf_counter()
+        local = train_step(model, plan_micro_batches(mine, config.data, parallel), config, parallel, tokenizer.pad_token_id)
+        lr = scheduler.get_last_lr()[0]
+        grad_norm, applied = clipped_step(model, optimizer, scheduler, config.optim.clip_grad)
+        nll_sum, token_sum, seen = all_reduce_sum([local[0], local[1] * (parallel.sp_rank == 0), local[2] * (parallel.sp_rank == 0)], parallel.device)
+        elapsed = time.perf_counter() - start
+        step += 1
+        metrics = {
+            "train/loss": nll_sum / max(token_sum, 1.0),
+            "train/grad_norm": grad_norm,
+            "train/update_skipped": float(not applied),
+            "train/lr": lr,
+            "train/epoch": epoch,
+            "perf/tokens_per_sec": seen / elapsed,
+            "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
+        }
+        last = step == total_steps
+        if val and (last or (config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
+            metrics["val/loss"] = validate(model, val, config, parallel, tokenizer.pad_token_id)
+        logger.log(metrics, step)
+        bar.update(1)
+        if last or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0):
+            checkpoints.save(step)
+    bar.close()
+    logger.close()
+    dist.barrier()
