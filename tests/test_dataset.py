@@ -1,0 +1,87 @@
+"""Every bad row fails at load naming file, row and problem; truncation modes do what they say."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from fsdptrain.config.schema import DataConfig
+from fsdptrain.data.chat import tokenize_conversation
+from fsdptrain.data.dataset import DataError, load_sft_samples
+
+GOOD = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}]
+
+
+def data_config(**overrides) -> DataConfig:
+    base = OmegaConf.load("fsdptrain/config/sft_trainer.yaml").data
+    base.train_files = "unused"
+    base.multiturn.enable = True
+    for key, value in overrides.items():
+        OmegaConf.update(base, key.replace("__", "."), value)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), base))
+
+
+def write(path, **columns) -> str:
+    pq.write_table(pa.table(columns), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "rows, bad_row, problem",
+    [
+        ([GOOD, GOOD, [{"role": "user", "content": "Hi"}]], 2, "no assistant message"),
+        ([GOOD, GOOD, [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]], 2, "unknown role 'wizard'"),
+        ([GOOD, GOOD, [{"role": "user"}]], 2, "lacks 'role' or 'content'"),
+        # parquet cannot mix structs and strings in one column: a file of string lists
+        ([["a string", "not a dict"]], 0, "message 0 is not a dict"),
+    ],
+)
+def test_bad_row_names_file_row_and_problem(tmp_path, tokenizer, rows, bad_row, problem):
+    path = write(tmp_path / "bad.parquet", messages=rows)
+    with pytest.raises(DataError, match=rf"bad\.parquet row {bad_row}: .*{problem}"):
+        load_sft_samples([write(tmp_path / "good.parquet", messages=[GOOD]), path], tokenizer, data_config())
+
+
+def test_missing_column_and_missing_file(tmp_path, tokenizer):
+    path = write(tmp_path / "other.parquet", conversation=[GOOD])
+    with pytest.raises(DataError, match=r"other\.parquet: missing column\(s\) \['messages'\]"):
+        load_sft_samples([path], tokenizer, data_config())
+    with pytest.raises(DataError, match=r"nowhere\.parquet: no such data file"):
+        load_sft_samples([str(tmp_path / "nowhere.parquet")], tokenizer, data_config())
+    with pytest.raises(DataError, match=r"response: missing column|missing column\(s\) \['prompt', 'response'\]"):
+        load_sft_samples([path], tokenizer, data_config(multiturn__enable=False))
+
+
+def test_over_long_row_under_truncation_error(tmp_path, tokenizer):
+    long_row = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
+    path = write(tmp_path / "long.parquet", messages=[GOOD, long_row])
+    with pytest.raises(DataError, match=r"long\.parquet row 1: \d+ tokens exceed data.max_length=64"):
+        load_sft_samples([path], tokenizer, data_config(max_length=64, truncation="error"))
+
+
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_truncation_keeps_the_named_end(tmp_path, tokenizer, mode):
+    conversation = [{"role": "user", "content": "count " * 80}, {"role": "assistant", "content": "done " * 40}]
+    full_ids, full_mask = tokenize_conversation(tokenizer, conversation)
+    path = write(tmp_path / "t.parquet", messages=[conversation])
+    (sample,) = load_sft_samples([path], tokenizer, data_config(max_length=50, truncation=mode))
+    expected = slice(-50, None) if mode == "left" else slice(0, 50)
+    assert sample.input_ids.tolist() == full_ids[expected]
+    assert sample.loss_mask.tolist() == full_mask[expected]
+
+
+def test_single_turn_columns(tmp_path, tokenizer):
+    path = write(tmp_path / "st.parquet", question=["1+1?", "2+2?"], answer=["2", "4"])
+    samples = load_sft_samples([path], tokenizer, data_config(multiturn__enable=False, prompt_key="question", response_key="answer"))
+    assert len(samples) == 2
+    assert tokenizer.decode(samples[1].input_ids[samples[1].loss_mask.bool()]) == "4" + tokenizer.eos_token
+
+
+def test_files_are_concatenated_in_order(tmp_path, tokenizer):
+    a = write(tmp_path / "a.parquet", messages=[GOOD])
+    other = [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you."}]
+    b = write(tmp_path / "b.parquet", messages=[other, GOOD])
+    samples = load_sft_samples([a, b], tokenizer, data_config())
+    assert [s.input_ids.tolist() for s in samples] == [
+        tokenize_conversation(tokenizer, m)[0] for m in (GOOD, other, GOOD)
+    ]

@@ -1,0 +1,74 @@
+"""Packed rows (no padding, attention kept inside each sequence) give the padded computation's logits and loss."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from fsdptrain.data.batching import collate_packed, collate_padded
+from fsdptrain.data.dataset import Sample
+from fsdptrain.models.attention import PACKED_ATTENTION, attend_packed, cu_seqlens_from_position_ids
+from fsdptrain.models.loss import token_nll_sum
+
+
+def samples(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        mask = (torch.rand(n, generator=g) < 0.6).long()
+        out.append(Sample(torch.randint(3, vocab, (n,), generator=g), mask))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_packed_equals_padded(request, arch):
+    path = request.getfixturevalue(arch)
+    packed_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_ATTENTION, dtype=torch.float32)
+    padded_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+    batch_samples = samples([7, 31, 1, 18, 64], packed_model.config.vocab_size)
+    packed, padded = collate_packed(batch_samples), collate_padded(batch_samples, pad_token_id=0)
+    with torch.no_grad():
+        packed_logits = packed_model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
+        padded_logits = padded_model(**{k: v for k, v in padded.items() if k != "labels"}).logits
+    start = 0
+    for row, sample in enumerate(batch_samples):
+        n = len(sample)
+        torch.testing.assert_close(packed_logits[start : start + n], padded_logits[row, :n], atol=1e-5, rtol=1e-5)
+        start += n
+    with torch.no_grad():
+        torch.testing.assert_close(token_nll_sum(packed_model, packed), token_nll_sum(padded_model, padded), atol=1e-5, rtol=1e-5)
+
+
+def test_sequences_do_not_see_each_other(tiny_llama):
+    """Changing one packed sequence leaves the logits of its neighbours unchanged."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=PACKED_ATTENTION, dtype=torch.float32)
+    a, b = samples([12, 9], model.config.vocab_size)
+    b_changed = Sample(b.input_ids.flip(0), b.loss_mask)
+    with torch.no_grad():
+        first = model(**{k: v for k, v in collate_packed([b, a]).items() if k != "labels"}).logits[0, 9:]
+        second = model(**{k: v for k, v in collate_packed([b_changed, a]).items() if k != "labels"}).logits[0, 9:]
+    torch.testing.assert_close(first, second, atol=1e-6, rtol=0)
+
+
+def test_fallback_attention_equals_masked_reference():
+    """The CPU path of the varlen attention equals one SDPA call with a block-diagonal causal mask (GQA 8:2)."""
+    torch.manual_seed(0)
+    lengths = [5, 1, 11, 7]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    total = sum(lengths)
+    q, k, v = torch.randn(total, 8, 16), torch.randn(total, 2, 16), torch.randn(total, 2, 16)
+    out = attend_packed(q, k, v, cu_seqlens_from_position_ids(position_ids), scaling=0.25)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1), v.repeat_interleave(4, 1).transpose(0, 1),
+        attn_mask=mask, scale=0.25,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_labels_predict_the_next_loss_token():
+    s = Sample(torch.tensor([10, 11, 12, 13]), torch.tensor([0, 0, 1, 1]))
+    batch = collate_packed([s, s], pad_to_multiple=3)
+    assert batch["labels"].tolist() == [[-100, 12, 13, -100, -100, 12, 13, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]

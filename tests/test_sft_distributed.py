@@ -1,0 +1,61 @@
+"""The real CLI under torchrun (gloo, CPU): the same numbers whatever the layout, and a full short run."""
+
+import os
+
+import pytest
+
+from conftest import assert_same_weights, hf_weights, losses, read_metrics, run_sft
+
+SAVE_HF = "[model,optimizer,extra,hf_model]"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_llama, chat_data):
+    """One process, micro-batch 4: two micro-batches per step."""
+    out = str(tmp_path_factory.mktemp("dp1"))
+    run_sft(1, tiny_llama, chat_data, out, data__micro_batch_size_per_gpu=4, trainer__checkpoint__save_contents=SAVE_HF)
+    return out
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (2, {"data__micro_batch_size_per_gpu": 4}),  # dp=2: one micro-batch per rank
+        (2, {"data__micro_batch_size_per_gpu": 1}),  # dp=2, micro-batch 1: four per rank
+        (2, {"data__use_dynamic_bsz": "true", "data__max_token_len_per_gpu": 300}),  # split by a token budget
+        (2, {"use_remove_padding": "false"}),  # padded batches through sdpa
+    ],
+    ids=["dp2", "dp2-mb1", "dp2-dynamic", "dp2-padded"],
+)
+def test_layouts_agree_with_balanced_tokens(tmp_path, tiny_llama, chat_data, reference, nproc, overrides):
+    out = str(tmp_path)
+    run_sft(nproc, tiny_llama, chat_data, out, trainer__checkpoint__save_contents=SAVE_HF, **overrides)
+    assert losses(out) == pytest.approx(losses(reference), abs=1e-5)
+    step3 = lambda root: hf_weights(os.path.join(root, "global_step_3"))  # noqa: E731
+    assert_same_weights(step3(out), step3(reference), atol=1e-5)
+
+
+def test_unbalanced_mode_logs_the_token_mean_but_weighs_micro_batches(tmp_path, tiny_llama, chat_data, reference):
+    out = str(tmp_path)
+    run_sft(2, tiny_llama, chat_data, out, data__balance_dp_token="false", data__micro_batch_size_per_gpu=1)
+    balanced, unbalanced = losses(reference), losses(out)
+    assert unbalanced[0] == pytest.approx(balanced[0], abs=1e-6)  # same weights before the first update
+    assert abs(unbalanced[2] - balanced[2]) > 1e-4  # per-micro-batch means weigh tokens differently
+
+
+def test_ten_step_run(tmp_path, tiny_llama, chat_data):
+    out = str(tmp_path)
+    result = run_sft(
+        2, tiny_llama, chat_data, out,
+        trainer__total_training_steps=10, trainer__test_freq=5, trainer__logger='["console","file"]',
+        model__enable_gradient_checkpointing="true", optim__lr_warmup_steps_ratio=0.1,
+    )
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    assert [m["step"] for m in metrics if "val/loss" in m] == [5, 10]
+    assert metrics[-1]["val/loss"] < metrics[4]["val/loss"]
+    assert metrics[-1]["train/loss"] < metrics[0]["train/loss"] - 0.3
+    for key in ("train/grad_norm", "train/lr", "perf/tokens_per_sec", "perf/max_memory_gb"):
+        assert all(key in m for m in metrics), key
+    assert result.stdout.count("step 1 |") == 1  # rank 0 alone prints
+    assert os.path.isfile(os.path.join(out, "global_step_10", "meta.json"))
