@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-import make_tiny  # noqa: E402  (scripts/ is not a package)
+import demo_data  # noqa: E402  (scripts/ is not a package)
+import make_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +54,8 @@ def tiny_qwen2(tmp_path_factory, tokenizer) -> str:
 def chat_data(tmp_path_factory) -> Dict[str, str]:
     """Arithmetic chats of varied lengths (1 to 6 exchanges): 64 training rows, 12 validation rows."""
     path = tmp_path_factory.mktemp("data")
-    make_tiny.write_chat_parquet(str(path / "train.parquet"), 64, seed=0)
-    make_tiny.write_chat_parquet(str(path / "val.parquet"), 12, seed=1)
+    demo_data.write_chat_parquet(str(path / "train.parquet"), 64, seed=0)
+    demo_data.write_chat_parquet(str(path / "val.parquet"), 12, seed=1)
     return {"train": str(path / "train.parquet"), "val": str(path / "val.parquet")}
 
 

@@ -111,9 +111,12 @@ class CheckpointManager:
         failed = torch.tensor([error is not None], dtype=torch.int32, device=self.parallel.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if error is not None:
-            raise CheckpointError(f"checkpoint save under {self.root} failed: {error}") from error
+            raise CheckpointError(
+                f"checkpoint save under {self.root} failed (is the disk full or not writable?); "
+                f"the previous checkpoint is intact: {str(error).splitlines()[0]}"
+            ) from error
         if failed.item():
-            raise CheckpointError(f"checkpoint save under {self.root} failed on another rank")
+            raise CheckpointError(f"checkpoint save under {self.root} failed on another rank; the previous checkpoint is intact")
 
     def _run_everywhere(self, fn) -> None:
         try:
@@ -151,7 +154,8 @@ class CheckpointManager:
         full_state = None
         if "hf_model" in self.save_contents:
             full_state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        hf_dtype = self.run_config["model"]["fsdp_config"]["model_dtype"]
+        model_dtype = self.run_config["model"]["fsdp_config"]["model_dtype"]
+        hf_dtype = self.config.checkpoint.hf_dtype or model_dtype
         self._run_on_main(
             lambda: save_hf_folder(
                 os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype
@@ -159,7 +163,12 @@ class CheckpointManager:
         )
 
         def publish() -> None:
-            meta = {"global_step": step, "contents": self.save_contents, "world_size": self.parallel.world_size}
+            meta = {
+                "global_step": step,
+                "contents": self.save_contents,
+                "world_size": self.parallel.world_size,
+                "model_dtype": model_dtype,
+            }
             write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta))
             if os.path.exists(final):  # re-saving a step (a run resumed before it): replace it whole
                 shutil.rmtree(final)
@@ -198,11 +207,6 @@ class CheckpointManager:
         return path
 
     def _check_compatible(self, path: str, meta: Dict[str, Any]) -> None:
-        missing = [c for c in self.load_contents if c not in meta["contents"]]
-        if missing:
-            raise ConfigError(
-                f"trainer.checkpoint.load_contents asks for {missing}, but {path} holds only {meta['contents']}"
-            )
         with open(os.path.join(path, "huggingface", "config.json")) as f:
             saved = json.load(f)
         current = self.model.config.to_dict()
@@ -211,6 +215,11 @@ class CheckpointManager:
             raise ConfigError(
                 f"checkpoint {path} is of another model architecture than model.partial_pretrain: "
                 + ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in different.items())
+            )
+        missing = [c for c in self.load_contents if c not in meta["contents"]]
+        if missing:
+            raise ConfigError(
+                f"trainer.checkpoint.load_contents asks for {missing}, but {path} holds only {meta['contents']}"
             )
 
     def resume(self) -> int:

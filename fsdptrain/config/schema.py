@@ -80,6 +80,7 @@ class OptimConfig:
 class CheckpointConfig:
     save_contents: List[str]
     load_contents: Optional[List[str]]
+    hf_dtype: Optional[str]
 
 
 @dataclass
@@ -190,6 +191,7 @@ def validate_trainer(trainer: TrainerConfig) -> None:
     ):
         for item in contents:
             _one_of(key, item, CHECKPOINT_CONTENTS)
+    _one_of("trainer.checkpoint.hf_dtype", trainer.checkpoint.hf_dtype, DTYPES + (None,))
     for name in trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
     _one_of("trainer.device", trainer.device, ("auto", "cpu", "cuda"))

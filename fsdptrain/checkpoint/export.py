@@ -1,0 +1,47 @@
+"""Turn a checkpoint's sharded model into a Hugging Face folder, on one process and without an accelerator.
+
+    python -m fsdptrain.checkpoint.export GLOBAL_STEP_DIR [--out DIR] [--dtype fp32|bf16]
+
+`--out` defaults to GLOBAL_STEP_DIR/huggingface, `--dtype` to the dtype the model was trained in.
+"""
+
+import argparse
+import os
+
+import torch.distributed.checkpoint as dcp
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from fsdptrain.checkpoint.hf_export import save_hf_folder
+from fsdptrain.checkpoint.manager import read_meta
+from fsdptrain.distributed.fsdp import DTYPES
+
+
+def export(step_dir: str, out: str, dtype: str) -> None:
+    meta = read_meta(step_dir)
+    if "model" not in meta["contents"]:
+        raise SystemExit(f"{step_dir} holds no sharded model (contents: {meta['contents']})")
+    source = os.path.join(step_dir, "huggingface")
+    config = AutoConfig.from_pretrained(source)
+    model = AutoModelForCausalLM.from_config(config).to(DTYPES[dtype])
+    saved_keys = dcp.FileSystemReader(os.path.join(step_dir, "model")).read_metadata().state_dict_metadata
+    state = {k: v for k, v in model.state_dict().items() if k in saved_keys}
+    dcp.load(state, checkpoint_id=os.path.join(step_dir, "model"))  # no process group: a single reader
+    save_hf_folder(
+        out, config, GenerationConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source), state, dtype
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step_dir", help="a global_step_N folder")
+    parser.add_argument("--out", help="output folder (default: STEP_DIR/huggingface)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="weight dtype (default: the training dtype)")
+    args = parser.parse_args()
+    dtype = args.dtype or read_meta(args.step_dir)["model_dtype"]
+    out = args.out or os.path.join(args.step_dir, "huggingface")
+    export(args.step_dir, out, dtype)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

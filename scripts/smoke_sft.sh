@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The 10-step smoke run to make before a real run: trains, saves at step 5 with the HF export, then checks
+# the results and exits non-zero naming the first check that fails.
+#   bash scripts/smoke_sft.sh [extra key=value overrides ...]
+# Environment: MODEL (HF folder; default: a tiny random Llama), TRAIN / VAL (parquet with a messages column;
+# default: arithmetic chats), NPROC (default 2), OUT (default: a fresh temporary folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+NPROC=${NPROC:-2}
+if [ -z "${MODEL:-}" ]; then
+    MODEL="$OUT/tiny_model"
+    python scripts/make_tiny.py "$MODEL"
+fi
+if [ -z "${TRAIN:-}" ]; then
+    python scripts/demo_data.py "$OUT/data" --rows 160
+    TRAIN="$OUT/data/train.parquet" VAL="$OUT/data/val.parquet"
+fi
+RUN="$OUT/run"
+torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.sft_trainer \
+    data.train_files="$TRAIN" ${VAL:+data.val_files="$VAL"} data.multiturn.enable=true \
+    data.max_length=512 data.truncation=right data.train_batch_size=16 data.micro_batch_size_per_gpu=2 \
+    model.partial_pretrain="$MODEL" optim.lr=1e-3 \
+    trainer.total_training_steps=10 trainer.save_freq=5 trainer.test_freq=5 trainer.resume_mode=disable \
+    trainer.logger='["console","file"]' trainer.default_local_dir="$RUN" \
+    trainer.checkpoint.save_contents='[model,optimizer,extra,hf_model]' "$@"
+python - "$RUN" <<'PY'
+import json, math, os, sys
+from transformers import AutoModelForCausalLM
+
+run = sys.argv[1]
+
+def fail(check, detail):
+    sys.exit(f"SMOKE FAILED: {check}: {detail}")
+
+with open(os.path.join(run, "metrics.jsonl")) as f:
+    metrics = [json.loads(line) for line in f]
+train = [m["train/loss"] for m in metrics]
+if not all(math.isfinite(x) for x in train):
+    fail("finite loss", f"NaN/Inf in {train}")
+if not train[-1] < train[0]:
+    fail("loss falls", f"first {train[0]:.4f}, last {train[-1]:.4f}")
+hf = os.path.join(run, "global_step_5", "huggingface")
+if not os.path.isfile(os.path.join(hf, "config.json")):
+    fail("checkpoint", f"{hf} is missing")
+try:
+    AutoModelForCausalLM.from_pretrained(hf)
+except Exception as e:
+    fail("export loads with transformers", e)
+if not any(m["step"] == 5 and "val/loss" in m for m in metrics):
+    fail("validation", "no val/loss at step 5")
+print(f"SMOKE OK: loss {train[0]:.4f} -> {train[-1]:.4f}, checkpoint and HF export at step 5, val/loss logged")
+PY

@@ -1,0 +1,189 @@
+"""Checkpoints: exact resume (same and other process counts), SIGKILL mid-save, torchrun restarts, rotation,
+HF export round trip, and bad input, all through the real CLI under torchrun."""
+
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoModelForCausalLM
+
+from conftest import REPO, assert_same_weights, hf_weights, losses, read_metrics, run_sft, sft_args, torchrun
+
+STEPS = 6
+SAVE_HF = "[model,optimizer,extra,hf_model]"
+RUN = dict(trainer__total_training_steps=STEPS, optim__lr_warmup_steps_ratio=0.2, trainer__checkpoint__save_contents=SAVE_HF)
+
+
+def tracker(out: str) -> int:
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        return int(f.read())
+
+
+def start_sft(nproc: int, model, data, out, torchrun_args=(), **overrides) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
+           "-m", "fsdptrain.sft_trainer", *sft_args(model, data, out, **overrides)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_for(path: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        if process.poll() is not None:
+            raise AssertionError(f"run ended before {path} appeared:\n{process.stderr.read().decode()[-4000:]}")
+        if time.time() > deadline:
+            raise AssertionError(f"{path} did not appear")
+        time.sleep(0.002)
+
+
+def workers(parent: int) -> list:
+    """Pids of the processes whose parent is `parent` (torchrun's workers)."""
+    children = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    children.append(int(pid))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return children
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_llama, chat_data):
+    """Six steps on two processes without interruption."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    run_sft(2, tiny_llama, chat_data, out, **RUN)
+    return out
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, tiny_llama, chat_data):
+    """The same run, killed (SIGKILL, every rank) once its step-3 checkpoint is complete."""
+    out = str(tmp_path_factory.mktemp("interrupted"))
+    process = start_sft(2, tiny_llama, chat_data, out, trainer__save_freq=3, **RUN)
+    wait_for(os.path.join(out, "global_step_3", "meta.json"), process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert tracker(out) == 3 and not os.path.exists(os.path.join(out, "global_step_6"))
+    return out
+
+
+@pytest.mark.parametrize("nproc", [2, 1, 4])
+def test_resume_reproduces_the_straight_run(tmp_path, tiny_llama, chat_data, straight, interrupted, nproc):
+    out = str(tmp_path / "run")
+    shutil.copytree(interrupted, out)
+    run_sft(nproc, tiny_llama, chat_data, out, **RUN)
+    tolerance = 1e-6 if nproc == 2 else 1e-5  # another data-parallel size sums in another order
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # steps the killed run logged past 3 are replaced
+    assert losses(out) == pytest.approx(losses(straight), abs=tolerance)
+    assert [m["train/lr"] for m in metrics] == pytest.approx([m["train/lr"] for m in read_metrics(straight)], abs=1e-12)
+    final = lambda root: hf_weights(os.path.join(root, f"global_step_{STEPS}"))  # noqa: E731
+    assert_same_weights(final(out), final(straight), atol=tolerance)
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, tiny_llama, chat_data, straight):
+    out = str(tmp_path)
+    process = start_sft(2, tiny_llama, chat_data, out, trainer__save_freq=2, trainer__max_ckpt_to_keep=1, **RUN)
+    wait_for(os.path.join(out, ".global_step_4.tmp"), process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert tracker(out) == 2
+    assert os.path.isfile(os.path.join(out, "global_step_2", "meta.json"))  # the one to resume from is kept
+    assert not os.path.exists(os.path.join(out, "global_step_4"))
+    run_sft(2, tiny_llama, chat_data, out, trainer__save_freq=2, trainer__max_ckpt_to_keep=1, **RUN)
+    assert losses(out) == pytest.approx(losses(straight), abs=1e-6)
+    assert sorted(os.listdir(out)) == ["global_step_6", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+
+
+def test_torchrun_restarts_a_killed_rank_and_finishes_the_same(tmp_path, tiny_llama, chat_data, straight):
+    out = str(tmp_path)
+    process = start_sft(2, tiny_llama, chat_data, out, torchrun_args=["--max-restarts=2"], trainer__save_freq=2, **RUN)
+    wait_for(os.path.join(out, "global_step_2", "meta.json"), process)
+    os.kill(workers(process.pid)[-1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr.decode()[-4000:]
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, STEPS + 1))
+    assert losses(out) == pytest.approx(losses(straight), abs=1e-6)
+
+
+def test_rotation_counts_what_is_on_disk_across_restarts(tmp_path, tiny_llama, chat_data):
+    out = str(tmp_path)
+    keep = dict(trainer__save_freq=1, trainer__max_ckpt_to_keep=2, optim__lr_scheduler="constant")
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=3, **keep)
+    assert sorted(d for d in os.listdir(out) if d.startswith("global_step")) == ["global_step_2", "global_step_3"]
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=5, **keep)
+    assert sorted(d for d in os.listdir(out) if d.startswith("global_step")) == ["global_step_4", "global_step_5"]
+    assert tracker(out) == 5
+
+
+def test_export_round_trip(tmp_path, straight):
+    step_dir = os.path.join(straight, f"global_step_{STEPS}")
+    out = str(tmp_path / "hf")
+    subprocess.run([sys.executable, "-m", "fsdptrain.checkpoint.export", step_dir, "--out", out], check=True, cwd=REPO)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    in_run = AutoModelForCausalLM.from_pretrained(os.path.join(step_dir, "huggingface"), dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(os.path.join(step_dir, "huggingface"), dtype=torch.float32)
+    state = trained.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(step_dir, "model"))  # the trained shards themselves
+    trained.load_state_dict(state)
+    ids = torch.randint(0, trained.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        reference = trained(ids).logits
+        torch.testing.assert_close(exported(ids).logits, reference, atol=1e-5, rtol=0)
+        torch.testing.assert_close(in_run(ids).logits, reference, atol=1e-5, rtol=0)
+    bf16 = str(tmp_path / "bf16")
+    subprocess.run([sys.executable, "-m", "fsdptrain.checkpoint.export", step_dir, "--out", bf16, "--dtype", "bf16"], check=True, cwd=REPO)
+    assert AutoModelForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16
+
+
+def test_write_failure_is_clear_and_keeps_the_previous_checkpoint(tmp_path, tiny_llama, chat_data):
+    """A file-size limit makes checkpoint writes fail (EFBIG), as a full disk would."""
+    out = str(tmp_path)
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "fsdptrain.sft_trainer",
+           *sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=4)]
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    assert result.returncode != 0
+    assert f"checkpoint save under {out} failed (is the disk full or not writable?)" in result.stderr
+    assert tracker(out) == 2 and os.path.isfile(os.path.join(out, "global_step_2", "meta.json"))
+    assert not os.path.exists(os.path.join(out, "global_step_4"))
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory, tiny_llama, chat_data):
+    out = str(tmp_path_factory.mktemp("small"))
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=1, trainer__checkpoint__save_contents="[model,extra]")
+    return out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "/no/such/dir"}, "trainer.resume_from_path='/no/such/dir' does not exist"),
+        ({"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "{ckpt}"}, "is not a checkpoint folder"),
+        ({"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "{ckpt}/global_step_1",
+          "trainer__checkpoint__load_contents": "[model,optimizer]"}, r"load_contents asks for \['optimizer'\]"),
+        ({"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "{ckpt}/global_step_1",
+          "model__partial_pretrain": "{qwen}"}, "another model architecture"),
+    ],
+    ids=["missing", "not-a-checkpoint", "contents", "architecture"],
+)
+def test_bad_resume_input_fails_before_training(tmp_path, tiny_llama, tiny_qwen2, chat_data, small_checkpoint, overrides, message):
+    fill = {"ckpt": small_checkpoint, "qwen": tiny_qwen2}
+    overrides = {k: v.format(**fill) for k, v in overrides.items()}
+    out = str(tmp_path)
+    result = run_sft(1, tiny_llama, chat_data, out, check=False, **overrides)
+    assert result.returncode != 0
+    assert re.search(message, result.stderr), result.stderr[-3000:]
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))

@@ -1,0 +1,23 @@
+"""scripts/smoke_sft.sh passes on a healthy run and names the check that fails on a broken one."""
+
+import os
+import subprocess
+
+from conftest import REPO
+
+
+def smoke(tmp_path, model, data, *overrides):
+    env = {**os.environ, "MODEL": model, "TRAIN": data["train"], "VAL": data["val"], "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", "scripts/smoke_sft.sh", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_passes(tmp_path, tiny_qwen2, chat_data):
+    result = smoke(tmp_path, tiny_qwen2, chat_data)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SMOKE OK" in result.stdout
+
+
+def test_smoke_names_the_failed_check(tmp_path, tiny_llama, chat_data):
+    result = smoke(tmp_path, tiny_llama, chat_data, "trainer.test_freq=-1")
+    assert result.returncode != 0
+    assert "SMOKE FAILED: validation: no val/loss at step 5" in result.stderr
