@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from fsdptrain.data.batching import collate_packed, collate_padded
 from fsdptrain.data.dataset import Sample
 from fsdptrain.models.attention import PACKED_ATTENTION, attend_packed, cu_seqlens_from_position_ids
-from fsdptrain.models.loss import token_nll_sum
+from fsdptrain.models.loss import add_nll_forward, token_nll_sum
 
 
 def samples(lengths, vocab, seed=0):
@@ -35,6 +35,8 @@ def test_packed_equals_padded(request, arch):
         n = len(sample)
         torch.testing.assert_close(packed_logits[start : start + n], padded_logits[row, :n], atol=1e-5, rtol=1e-5)
         start += n
+    add_nll_forward(packed_model, chunk_tokens=16)  # the chunked loss on one side, full logits on the other
+    add_nll_forward(padded_model, chunk_tokens=0)
     with torch.no_grad():
         torch.testing.assert_close(token_nll_sum(packed_model, packed), token_nll_sum(padded_model, padded), atol=1e-5, rtol=1e-5)
 

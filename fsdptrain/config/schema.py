@@ -60,6 +60,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool
     strategy: str
     attn_implementation: str
+    chunked_loss_tokens: int
     fsdp_config: FSDPConfig
 
 
@@ -151,6 +152,8 @@ def validate_model(model: ModelConfig) -> None:
     if model.strategy != "fsdp2":
         raise ConfigError(f"model.strategy must be fsdp2 (the only strategy fsdptrain implements), got {model.strategy!r}")
     _one_of("model.attn_implementation", model.attn_implementation, ("auto", "sdpa", "eager", "flash_attention_2"))
+    if model.chunked_loss_tokens < 0:
+        raise ConfigError(f"model.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
     _one_of("model.fsdp_config.model_dtype", model.fsdp_config.model_dtype, DTYPES)
     mp = model.fsdp_config.mixed_precision
     _one_of("model.fsdp_config.mixed_precision.param_dtype", mp.param_dtype, DTYPES + (None,))
@@ -224,6 +227,8 @@ def load_sft_config(cfg: DictConfig) -> SFTConfig:
     validate_optim(config.optim)
     validate_trainer(config.trainer)
     _positive("ulysses_sequence_parallel_size", config.ulysses_sequence_parallel_size)
+    if config.ulysses_sequence_parallel_size > 1 and not config.use_remove_padding:
+        raise ConfigError("ulysses_sequence_parallel_size > 1 needs use_remove_padding=true (it splits packed rows)")
     return config
 
 

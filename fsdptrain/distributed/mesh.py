@@ -3,6 +3,7 @@
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,9 @@ class Parallel:
         return self.rank == 0
 
     @property
-    def sp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("sp")
+    def ulysses_group(self) -> Optional[dist.ProcessGroup]:
+        """The sequence-parallel group, or None without sequence parallelism."""
+        return self.mesh.get_group("sp") if self.sp_size > 1 else None
 
 
 def resolve_device(preference: str) -> torch.device:

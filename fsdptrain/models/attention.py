@@ -3,13 +3,18 @@
 Registered in transformers' AttentionInterface, so every model family that dispatches through it works
 unchanged. Boundaries come from `position_ids`, which restart at 0 at each sequence start.
 On CUDA with flash-attn installed it calls the varlen kernel; elsewhere it runs SDPA per sequence.
+With Ulysses sequence parallelism the model is called with `sp_group=...`, which transformers passes down
+to here: the row is then sharded along the sequence and attention runs on a share of the heads instead.
 """
 
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup, get_world_size
 from transformers import AttentionInterface
+
+from fsdptrain.distributed.ulysses import gather_sequence, heads_to_seq, seq_to_heads
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -62,14 +67,21 @@ def packed_attention_forward(
     scaling: Optional[float] = None,
     dropout: float = 0.0,
     position_ids: Optional[torch.Tensor] = None,
+    sp_group: Optional[ProcessGroup] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
     """transformers' attention signature: q (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None)."""
     if query.shape[0] != 1 or position_ids is None:
         raise ValueError("packed attention expects one packed row (batch size 1) and its position_ids")
-    cu_seqlens = cu_seqlens_from_position_ids(position_ids)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    return attend_packed(q, k, v, cu_seqlens, scaling, dropout)[None], None
+    if sp_group is None:
+        return attend_packed(q, k, v, cu_seqlens_from_position_ids(position_ids), scaling, dropout)[None], None
+    if k.shape[1] % get_world_size(sp_group):  # too few KV heads to split: one per query head
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu_seqlens = cu_seqlens_from_position_ids(gather_sequence(position_ids, sp_group))
+    q, k, v = (seq_to_heads(t, sp_group) for t in (q, k, v))
+    return heads_to_seq(attend_packed(q, k, v, cu_seqlens, scaling, dropout), sp_group)[None], None
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)

@@ -25,11 +25,21 @@ from fsdptrain.config.schema import ConfigError, ModelConfig
 from fsdptrain.distributed.fsdp import DTYPES, apply_fsdp
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.models.attention import PACKED_ATTENTION
+from fsdptrain.models.loss import add_nll_forward
 
 
-def check_model_folder(path: str) -> None:
+def load_model_config(config: ModelConfig, sp_size: int) -> PretrainedConfig:
+    """The folder's model config, checked against the parallel layout before anything heavy is loaded."""
+    path = config.partial_pretrain
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.partial_pretrain={path!r} is not a Hugging Face model folder (no config.json)")
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    if hf_config.num_attention_heads % sp_size:
+        raise ConfigError(
+            f"ulysses_sequence_parallel_size ({sp_size}) must divide the model's num_attention_heads "
+            f"({hf_config.num_attention_heads})"
+        )
+    return hf_config
 
 
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
@@ -47,13 +57,9 @@ def attention_implementation(config: ModelConfig, packed: bool) -> str:
     return "sdpa" if config.attn_implementation == "auto" else config.attn_implementation
 
 
-def build_model(config: ModelConfig, parallel: Parallel, packed: bool) -> nn.Module:
+def build_model(config: ModelConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool) -> nn.Module:
     """The sharded model, with the pretrained weights, on `parallel.device` (or CPU with offload)."""
-    check_model_folder(config.partial_pretrain)
     dtype = DTYPES[config.fsdp_config.model_dtype]
-    hf_config: PretrainedConfig = AutoConfig.from_pretrained(
-        config.partial_pretrain, trust_remote_code=config.trust_remote_code
-    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             hf_config,
@@ -68,6 +74,7 @@ def build_model(config: ModelConfig, parallel: Parallel, packed: bool) -> nn.Mod
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fsdp(model, parallel.fsdp_mesh, config.fsdp_config, parallel.device)
+    add_nll_forward(model, config.chunked_loss_tokens)
     model.to_empty(device="cpu" if config.fsdp_config.cpu_offload else parallel.device)
 
     pretrained = None

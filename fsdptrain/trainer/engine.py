@@ -15,6 +15,7 @@ from fsdptrain.config.schema import DataConfig
 from fsdptrain.data.batching import collate_packed, collate_padded, min_token_micro_batches, split_by_count, split_by_tokens
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.ulysses import shard_sequence
 
 
 def seed_everything(seed: int) -> None:
@@ -51,7 +52,13 @@ def plan_micro_batches(samples: Sequence[Sample], data: DataConfig, parallel: Pa
 
 
 def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel) -> Dict[str, torch.Tensor]:
-    batch = collate_packed(micro_batch, pad_to_multiple=parallel.sp_size) if packed else collate_padded(micro_batch, pad_token_id)
+    """The model inputs of a micro-batch on this rank's device: with sequence parallelism, its slice of the row."""
+    if packed:
+        batch = collate_packed(micro_batch, pad_to_multiple=parallel.sp_size)
+        if parallel.sp_size > 1:
+            batch = shard_sequence(batch, parallel.sp_rank, parallel.sp_size)
+    else:
+        batch = collate_padded(micro_batch, pad_token_id)
     return {k: v.to(parallel.device, non_blocking=True) for k, v in batch.items()}
 
 

@@ -14,7 +14,7 @@ from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, load_sft_samples
 from fsdptrain.distributed.mesh import Parallel, init_parallel
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
-from fsdptrain.models.loading import build_model, check_model_folder, load_tokenizer
+from fsdptrain.models.loading import build_model, load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.trainer.engine import (
     all_reduce_sum,
@@ -48,7 +48,7 @@ def train_step(
     nll_total, tokens_total, seen = 0.0, 0, 0
     for micro_batch in micro_batches:
         batch = collate(micro_batch, packed, pad_token_id, parallel)
-        nll = token_nll_sum(model, batch)
+        nll = token_nll_sum(model, batch, parallel.ulysses_group)
         tokens = loss_tokens(micro_batch)
         if config.data.balance_dp_token:
             denominator = max(global_tokens, 1.0)
@@ -70,7 +70,7 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
     for micro_batch in plan_micro_batches(mine, config.data, parallel):
         # A rank with fewer micro-batches still runs a forward (FSDP needs every rank), on a sample it discards.
         batch = collate(micro_batch or samples[:1], config.use_remove_padding, pad_token_id, parallel)
-        nll = token_nll_sum(model, batch)
+        nll = token_nll_sum(model, batch, parallel.ulysses_group)
         if micro_batch is not None:
             nll_total += float(nll)
             tokens_total += loss_tokens(micro_batch)
@@ -83,7 +83,7 @@ def run_sft(config: SFTConfig) -> None:
     parallel = init_parallel(config.trainer.device, config.ulysses_sequence_parallel_size)
     quiet_non_main(parallel)
     check_batch_layout(config.data, parallel.dp_size)
-    check_model_folder(config.model.partial_pretrain)
+    hf_config = load_model_config(config.model, parallel.sp_size)
     seed_everything(config.trainer.seed)
 
     tokenizer = load_tokenizer(config.model)
@@ -96,7 +96,7 @@ def run_sft(config: SFTConfig) -> None:
         )
     total_steps = config.trainer.total_training_steps or config.trainer.total_epochs * steps_per_epoch
 
-    model = build_model(config.model, parallel, packed=config.use_remove_padding)
+    model = build_model(config.model, hf_config, parallel, packed=config.use_remove_padding)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, total_steps)
     checkpoints = CheckpointManager(config.trainer, parallel, model, optimizer, scheduler, tokenizer, asdict(config))

@@ -1,0 +1,42 @@
+"""The chunked linear cross-entropy: the loss and gradients of full logits, without holding them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from fsdptrain.data.batching import IGNORE_INDEX, collate_packed
+from fsdptrain.data.dataset import Sample
+from fsdptrain.models.attention import PACKED_ATTENTION
+from fsdptrain.models.loss import add_nll_forward, chunked_cross_entropy_sum, token_nll_sum
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_equals_full_logits(chunk):
+    torch.manual_seed(0)
+    hidden = torch.randn(100, 32, requires_grad=True)
+    weight = torch.randn(500, 32, requires_grad=True)
+    labels = torch.randint(0, 500, (100,))
+    labels[::3] = IGNORE_INDEX
+    full = F.cross_entropy(hidden @ weight.T, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    full_grads = torch.autograd.grad(full, (hidden, weight))
+    chunked = chunked_cross_entropy_sum(hidden, weight, labels, chunk)
+    chunked_grads = torch.autograd.grad(chunked, (hidden, weight))
+    torch.testing.assert_close(chunked, full, atol=1e-3, rtol=1e-6)
+    for a, b in zip(chunked_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_model_loss_and_parameter_gradients_match(tiny_qwen2):
+    models = [AutoModelForCausalLM.from_pretrained(tiny_qwen2, attn_implementation=PACKED_ATTENTION, dtype=torch.float32) for _ in range(2)]
+    add_nll_forward(models[0], chunk_tokens=0)
+    add_nll_forward(models[1], chunk_tokens=10)
+    g = torch.Generator().manual_seed(1)
+    samples = [Sample(torch.randint(3, 1000, (n,), generator=g), torch.ones(n, dtype=torch.long)) for n in (13, 40)]
+    batch = collate_packed(samples)
+    losses = [token_nll_sum(m, batch) for m in models]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-6)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")

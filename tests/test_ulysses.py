@@ -1,0 +1,57 @@
+"""Ulysses sequence parallelism under torchrun: the losses, validation and weights of the run without it."""
+
+import os
+
+import pytest
+
+from conftest import assert_same_weights, hf_weights, losses, read_metrics, run_sft
+
+SAVE_HF = "[model,optimizer,extra,hf_model]"
+# Micro-batches of 2 arithmetic chats (odd and even lengths) packed in one row, so the split between the SP
+# ranks falls inside a sample; the padding to a multiple of S is a segment of its own that carries no loss.
+RUN = dict(trainer__checkpoint__save_contents=SAVE_HF, trainer__test_freq=3)
+
+
+def val_losses(out):
+    return [m["val/loss"] for m in read_metrics(out) if "val/loss" in m]
+
+
+def assert_same_run(out, reference):
+    assert losses(out) == pytest.approx(losses(reference), abs=1e-5)
+    assert val_losses(out) == pytest.approx(val_losses(reference), abs=1e-5) and val_losses(out)
+    final = lambda root: hf_weights(os.path.join(root, "global_step_3"))  # noqa: E731
+    assert_same_weights(final(out), final(reference), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def llama_sp1(tmp_path_factory, tiny_llama, chat_data):
+    out = str(tmp_path_factory.mktemp("llama_sp1"))
+    run_sft(1, tiny_llama, chat_data, out, **RUN)
+    return out
+
+
+def test_sp2_equals_sp1(tmp_path, tiny_llama, chat_data, llama_sp1):
+    out = str(tmp_path)
+    run_sft(2, tiny_llama, chat_data, out, ulysses_sequence_parallel_size=2, model__enable_gradient_checkpointing="true", **RUN)
+    assert_same_run(out, llama_sp1)
+
+
+def test_dp2_sp2_equals_dp2(tmp_path, tiny_llama, chat_data):
+    dp2, dp2_sp2 = str(tmp_path / "dp2"), str(tmp_path / "dp2_sp2")
+    run_sft(2, tiny_llama, chat_data, dp2, **RUN)
+    run_sft(4, tiny_llama, chat_data, dp2_sp2, ulysses_sequence_parallel_size=2, **RUN)
+    assert_same_run(dp2_sp2, dp2)
+
+
+def test_qwen2_with_fewer_kv_heads_than_sp(tmp_path, tiny_qwen2, chat_data):
+    """Two KV heads over four SP ranks: they are repeated so that each rank gets one."""
+    sp1, sp4 = str(tmp_path / "sp1"), str(tmp_path / "sp4")
+    run_sft(1, tiny_qwen2, chat_data, sp1, **RUN)
+    run_sft(4, tiny_qwen2, chat_data, sp4, ulysses_sequence_parallel_size=4, data__micro_batch_size_per_gpu=4, **RUN)
+    assert_same_run(sp4, sp1)
+
+
+def test_heads_not_divisible_by_sp_fail_at_start(tmp_path, tiny_llama, chat_data):
+    result = run_sft(3, tiny_llama, chat_data, str(tmp_path), check=False, ulysses_sequence_parallel_size=3, data__train_batch_size=9, data__micro_batch_size_per_gpu=3)
+    assert result.returncode != 0
+    assert "ulysses_sequence_parallel_size (3) must divide the model's num_attention_heads (4)" in result.stderr
