@@ -1,0 +1,295 @@
+"""SFT throughput and memory: fsdptrain vs TRL's SFTTrainer vs transformers' Trainer, in one run.
+
+    python scripts/bench_sft.py [--model tiny|smollm2] [--steps 10] [--batch 16] [--micro 4] [--nproc 2] [--json out.json]
+
+Every system trains the same model from the same weights on the same token ids and loss targets (fsdptrain's
+chat-template tokenization, assistant tokens only), in the same order (no shuffling), with the same global
+batch, AdamW (no weight decay), constant learning rate and clipping. Their losses agree by construction:
+each step's loss is the sum of token cross-entropies over the global count of loss tokens (fsdptrain's
+balance_dp_token=true; Trainer's num_items_in_batch). The table shows each system's step losses against
+fsdptrain's, so a system that trains something else shows up.
+
+Throughput counts steps 2..N (step 1 warms up). Memory is the peak of the summed RSS of all of a system's
+processes (sampled), or torch.cuda.max_memory_allocated on CUDA. MFU = (6 * matmul params * tokens
++ 6 * layers * hidden * sum of squared sequence lengths) / time, over a matmul peak measured in this run.
+TRL and Trainer run in one process using every core; fsdptrain runs `--nproc` processes of one thread each.
+TRL's padding-free mode is measured too: with SDPA it keeps samples apart only where transformers detects
+packed position_ids, so its loss column is the check that it trains the same thing.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+# ---- data shared by every system ---------------------------------------------------------------------
+def tokenized(model_dir: str, train: str, max_length: int):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from fsdptrain.config.schema import DataConfig
+    from fsdptrain.data.dataset import load_sft_samples
+
+    base = OmegaConf.load(os.path.join(HERE, "..", "fsdptrain", "config", "sft_trainer.yaml")).data
+    base.update({"train_files": [train], "max_length": max_length, "truncation": "right"})
+    base.multiturn.enable = True
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), base))
+    return load_sft_samples([train], AutoTokenizer.from_pretrained(model_dir), config)
+
+
+def step_tokens(samples, batch: int, steps: int):
+    """(total tokens, loss tokens, sum of squared lengths) of each step's global batch, in order."""
+    out = []
+    for step in range(steps):
+        group = samples[step * batch : (step + 1) * batch]
+        out.append((sum(len(s) for s in group), sum(int(s.loss_mask[1:].sum()) for s in group), sum(len(s) ** 2 for s in group)))
+    return out
+
+
+# ---- the Hugging Face trainers (run in a subprocess) ---------------------------------------------------
+def run_hf(system: str, args) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    samples = tokenized(args.model_dir, args.train, args.max_length)[: args.batch * args.steps]
+    records = {"step_end": [], "loss": []}
+
+    class Record(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            records["step_end"].append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "loss" in logs:
+                records["loss"].append(logs["loss"])
+
+    common = dict(
+        output_dir=args.work, per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.batch // args.micro,
+        max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], gradient_checkpointing=False,
+        dataloader_drop_last=True, seed=0, disable_tqdm=True, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if system == "trainer":
+        rows = {"input_ids": [s.input_ids.tolist() for s in samples],
+                "labels": [torch.where(s.loss_mask.bool(), s.input_ids, -100).tolist() for s in samples]}
+
+        def collate(features):
+            width = max(len(f["input_ids"]) for f in features)
+            pad = lambda key, value: torch.tensor([f[key] + [value] * (width - len(f[key])) for f in features])  # noqa: E731
+            mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features])
+            return {"input_ids": pad("input_ids", 0), "labels": pad("labels", -100), "attention_mask": mask}
+
+        class Sequential(Trainer):
+            def _get_train_sampler(self, *_, **__):
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+
+        trainer = Sequential(model=model, args=TrainingArguments(**common), train_dataset=Dataset.from_dict(rows),
+                             data_collator=collate, callbacks=[Record()])
+    else:
+        from transformers import AutoTokenizer
+        from trl import SFTConfig, SFTTrainer
+
+        rows = {"input_ids": [s.input_ids.tolist() for s in samples], "assistant_masks": [s.loss_mask.tolist() for s in samples]}
+
+        class Sequential(SFTTrainer):
+            def _get_train_sampler(self, *_, **__):
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+
+        padding_free = system == "trl-padding-free"  # rows come truncated; TRL asks for no max_length then
+        config = SFTConfig(**common, max_length=None if padding_free else args.max_length, padding_free=padding_free,
+                           assistant_only_loss=False, completion_only_loss=False, dataset_num_proc=None)
+        trainer = Sequential(model=model, args=config, train_dataset=Dataset.from_dict(rows),
+                             processing_class=AutoTokenizer.from_pretrained(args.model_dir), callbacks=[Record()])
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    with open(args.result, "w") as f:
+        json.dump({"losses": records["loss"], "step_times": list(map(float, _diffs(records["step_end"]))), "cuda_peak_gb": peak}, f)
+
+
+def _diffs(ends):
+    return [b - a for a, b in zip(ends[:-1], ends[1:])]
+
+
+# ---- orchestration ---------------------------------------------------------------------------------------
+def peak_tree_rss(process: subprocess.Popen, stop: threading.Event, out: dict) -> None:
+    """Sample the summed RSS of `process` and its descendants until `stop`; keep the maximum (bytes)."""
+    out["peak"] = 0
+    while not stop.is_set():
+        children, total = {}, 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(pid))
+            except OSError:
+                continue
+        todo = [process.pid]
+        while todo:
+            pid = todo.pop()
+            todo.extend(children.get(pid, []))
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+            except (OSError, StopIteration):
+                continue
+        out["peak"] = max(out["peak"], total)
+        time.sleep(0.1)
+
+
+def launch(cmd, env=None) -> float:
+    """Run `cmd`; returns its peak tree RSS in GB."""
+    process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stop, memory = threading.Event(), {}
+    poller = threading.Thread(target=peak_tree_rss, args=(process, stop, memory))
+    poller.start()
+    _, err = process.communicate()
+    stop.set()
+    poller.join()
+    if process.returncode:
+        raise SystemExit(f"{' '.join(cmd[:6])} ... failed:\n{err[-4000:]}")
+    return memory["peak"] / 2**30
+
+
+def run_fsdptrain(args, result: str) -> dict:
+    out = os.path.join(args.work, "fsdptrain")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m", "fsdptrain.sft_trainer",
+           f"data.train_files={args.train}", "data.multiturn.enable=true", f"data.max_length={args.max_length}", "data.truncation=right",
+           f"data.train_batch_size={args.batch}", f"data.micro_batch_size_per_gpu={args.micro}",
+           "data.balance_dp_token=true", "data.shuffle=false", f"model.partial_pretrain={args.model_dir}",
+           "model.enable_gradient_checkpointing=false", f"optim.lr={args.lr}", "optim.weight_decay=0", "optim.lr_scheduler=constant",
+           "optim.lr_warmup_steps=0", f"trainer.total_training_steps={args.steps}", "trainer.logger=[file]",
+           f"model.fsdp_config.mixed_precision.param_dtype={'bf16' if args.bf16 else 'fp32'}",
+           "optim.betas=[0.9,0.999]", *args.fsdptrain_overrides,  # HF's AdamW betas, so that the runs agree
+           f"trainer.default_local_dir={out}", "trainer.checkpoint.save_contents=[]", "trainer.resume_mode=disable"]
+    rss = launch(cmd)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    steps = step_tokens(tokenized(args.model_dir, args.train, args.max_length), args.batch, args.steps)
+    # perf/tokens_per_sec is (tokens of the step) / (the step's time): recover each step's time.
+    times = [s[0] / m["perf/tokens_per_sec"] for s, m in zip(steps, metrics)][1:]
+    return {"losses": [m["train/loss"] for m in metrics], "step_times": times, "rss_gb": rss,
+            "cuda_peak_gb": metrics[-1]["perf/max_memory_gb"] if torch.cuda.is_available() else None}
+
+
+def matmul_peak_flops(threads: int) -> float:
+    torch.set_num_threads(threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = 8192 if device == "cuda" else 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def prepare(args) -> None:
+    import demo_data
+    import make_tiny
+
+    os.makedirs(args.work, exist_ok=True)
+    args.train = os.path.join(args.work, "train.parquet")
+    demo_data.write_chat_parquet(args.train, args.batch * args.steps, seed=0)
+    if args.model == "tiny":
+        args.model_dir = os.path.join(args.work, "tiny")
+        tokenizer = make_tiny.smollm2_tokenizer()
+        make_tiny.tiny_model("llama", len(tokenizer), seed=0, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4).save_pretrained(args.model_dir)
+        tokenizer.save_pretrained(args.model_dir)
+    else:
+        args.model_dir = args.smollm2_dir or os.path.join(args.work, "smollm2")
+        if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+            subprocess.run([sys.executable, os.path.join(HERE, "smollm2_to_hf.py"), args.model_dir], check=True, stdout=subprocess.DEVNULL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--smollm2-dir", help="an existing SmolLM2 HF folder (default: converted into the work dir)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro", type=int, default=4, help="samples per micro-batch of the single-process trainers")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute in every system (default fp32, where losses agree tightly)")
+    parser.add_argument("--systems", nargs="+", default=["fsdptrain", "trl", "trl-padding-free", "trainer"])
+    parser.add_argument("--work", help="work folder (default: a temporary one)")
+    parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for fsdptrain")
+    parser.add_argument("--json")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--train", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        return run_hf(args.run, args)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args.work = args.work or tmp
+        prepare(args)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model_dir)
+        samples = tokenized(args.model_dir, args.train, args.max_length)
+        steps = step_tokens(samples, args.batch, args.steps)[1:]
+        n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(config).parameters())
+        matmul_params = n_params - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+        flops = sum(6 * matmul_params * t + 6 * config.num_hidden_layers * config.hidden_size * sq for t, _, sq in steps)
+        peak = matmul_peak_flops(os.cpu_count() if not torch.cuda.is_available() else 1)
+        results = {}
+        for system in args.systems:
+            if system == "fsdptrain":
+                results[system] = run_fsdptrain(args, "")
+                continue
+            out = os.path.join(args.work, f"{system}.json")
+            cmd = [sys.executable, __file__, "--run", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
+                   "--work", os.path.join(args.work, system), "--steps", str(args.steps), "--batch", str(args.batch),
+                   "--micro", str(args.micro), "--max-length", str(args.max_length), "--lr", str(args.lr)] + (["--bf16"] if args.bf16 else [])
+            rss = launch(cmd, env={"WANDB_MODE": "disabled"})
+            with open(out) as f:
+                results[system] = {**json.load(f), "rss_gb": rss}
+
+    total_tokens, loss_tokens = sum(s[0] for s in steps), sum(s[1] for s in steps)
+    base = results.get("fsdptrain")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    print(f"\nSFT, {args.model} ({n_params / 1e6:.1f}M params), {args.steps} steps of {args.batch} chats, device {device}, "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'system':<18} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} {'peak GB':>8} {'x':>5} {'MFU':>6} {'step-1 loss':>11} "
+          f"{'step-N loss':>11} {'max |dloss|':>11}")
+    rows = []
+    for system, r in results.items():
+        seconds = sum(r["step_times"])
+        memory = r["cuda_peak_gb"] or r["rss_gb"]
+        row = {"system": system, "loss_tokens_per_s": loss_tokens / seconds, "tokens_per_s": total_tokens / seconds,
+               "peak_gb": memory, "mfu": flops / seconds / peak, "losses": r["losses"],
+               "max_loss_diff_vs_fsdptrain": max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else None}
+        rows.append(row)
+        speed = row["loss_tokens_per_s"] / (loss_tokens / sum(base["step_times"])) if base else float("nan")
+        mem = memory / (base["cuda_peak_gb"] or base["rss_gb"]) if base else float("nan")
+        print(f"{system:<18} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} {memory:>8.2f} {mem:>5.2f} "
+              f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {row['max_loss_diff_vs_fsdptrain']:>11.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "steps": args.steps, "batch": args.batch, "device": device,
+                       "matmul_peak_flops": peak, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
