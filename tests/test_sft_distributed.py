@@ -24,8 +24,9 @@ def reference(tmp_path_factory, tiny_llama, chat_data):
         (2, {"data__micro_batch_size_per_gpu": 1}),  # dp=2, micro-batch 1: four per rank
         (2, {"data__use_dynamic_bsz": "true", "data__max_token_len_per_gpu": 300}),  # split by a token budget
         (2, {"use_remove_padding": "false"}),  # padded batches through sdpa
+        (2, {"model__fsdp_config__cpu_offload": "true", "model__enable_gradient_checkpointing": "true"}),
     ],
-    ids=["dp2", "dp2-mb1", "dp2-dynamic", "dp2-padded"],
+    ids=["dp2", "dp2-mb1", "dp2-dynamic", "dp2-padded", "dp2-offload-checkpointing"],
 )
 def test_layouts_agree_with_balanced_tokens(tmp_path, tiny_llama, chat_data, reference, nproc, overrides):
     out = str(tmp_path)
@@ -59,3 +60,13 @@ def test_ten_step_run(tmp_path, tiny_llama, chat_data):
         assert all(key in m for m in metrics), key
     assert result.stdout.count("step 1 |") == 1  # rank 0 alone prints
     assert os.path.isfile(os.path.join(out, "global_step_10", "meta.json"))
+
+
+def test_every_logger(tmp_path, tiny_llama, chat_data):
+    out = str(tmp_path)
+    result = run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2,
+                     trainer__logger='["console","file","wandb","tensorboard"]')
+    assert result.stdout.count("train/loss") == 2
+    assert len(read_metrics(out)) == 2
+    assert os.listdir(os.path.join(out, "tensorboard"))  # event files
+    assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(out, "wandb")))

@@ -32,7 +32,8 @@ def llama_sp1(tmp_path_factory, tiny_llama, chat_data):
 
 def test_sp2_equals_sp1(tmp_path, tiny_llama, chat_data, llama_sp1):
     out = str(tmp_path)
-    run_sft(2, tiny_llama, chat_data, out, ulysses_sequence_parallel_size=2, model__enable_gradient_checkpointing="true", **RUN)
+    run_sft(2, tiny_llama, chat_data, out, ulysses_sequence_parallel_size=2, model__enable_gradient_checkpointing="true",
+            model__fsdp_config__cpu_offload="true", **RUN)
     assert_same_run(out, llama_sp1)
 
 

@@ -5,7 +5,7 @@ Only rank 0 logs; on other ranks the logger has no sinks, so nothing is printed 
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from tqdm import tqdm
 
@@ -48,11 +48,11 @@ class ConsoleSink:
 
 
 class WandbSink:
-    def __init__(self, project: str, experiment: str, directory: str, config: dict, resume_step: int):
+    def __init__(self, project: str, experiment: str, directory: str, config: dict):
         import wandb  # imported here: it is slow to import and only this sink needs it
 
-        self.run = wandb.init(project=project, name=experiment, dir=directory, config=config, resume="allow")
-        self.resume_step = resume_step
+        os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(project=project, name=experiment, dir=directory, config=config)
 
     def log(self, metrics: Dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -98,7 +98,7 @@ class MetricLogger:
             elif name == "file":
                 self.sinks.append(FileSink(directory, resume_step))
             elif name == "wandb":
-                self.sinks.append(WandbSink(project, experiment, directory, config, resume_step))
+                self.sinks.append(WandbSink(project, experiment, directory, config))
             elif name == "tensorboard":
                 self.sinks.append(TensorboardSink(directory, resume_step))
 
@@ -111,5 +111,5 @@ class MetricLogger:
             sink.close()
 
 
-def progress_bar(total: int, initial: int, is_main: bool) -> Optional[tqdm]:
+def progress_bar(total: int, initial: int, is_main: bool) -> tqdm:
     return tqdm(total=total, initial=initial, desc="train", disable=not is_main, dynamic_ncols=True)
