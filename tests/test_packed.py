@@ -20,12 +20,29 @@ def samples(lengths, vocab, seed=0):
     return out
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
-def test_packed_equals_padded(request, arch):
-    path = request.getfixturevalue(arch)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+def family_model(request, tmp_path_factory, tiny_llama, tiny_qwen2):
+    """A tiny model of each family the trainer supports, saved as a folder (Qwen3 adds q/k norms)."""
+    if request.param == "llama":
+        return tiny_llama
+    if request.param == "qwen2":
+        return tiny_qwen2
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[request.param]
+    torch.manual_seed(0)
+    config = config_class(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    path = tmp_path_factory.mktemp(request.param)
+    model_class(config).save_pretrained(path)
+    return str(path)
+
+
+def test_packed_equals_padded(family_model):
+    path = family_model
     packed_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_ATTENTION, dtype=torch.float32)
     padded_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
-    batch_samples = samples([7, 31, 1, 18, 64], packed_model.config.vocab_size)
+    batch_samples = samples([7, 31, 1, 18, 64], min(packed_model.config.vocab_size, 1000))
     packed, padded = collate_packed(batch_samples), collate_padded(batch_samples, pad_token_id=0)
     with torch.no_grad():
         packed_logits = packed_model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
