@@ -67,6 +67,12 @@ def loss_tokens(micro_batch: Optional[Sequence[Sample]]) -> int:
     return sum(int(s.loss_mask[1:].sum()) for s in micro_batch or [])
 
 
+def once_per_sp_group(counts: Sequence[float], parallel: Parallel) -> List[float]:
+    """Counts of samples every SP rank holds whole, kept on one rank of the group so that a world sum counts
+    them once (losses are summed over sequence slices and need no such care)."""
+    return [c if parallel.sp_rank == 0 else 0 for c in counts]
+
+
 def all_reduce_sum(values: Sequence[float], device: torch.device) -> List[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)

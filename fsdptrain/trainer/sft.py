@@ -22,6 +22,7 @@ from fsdptrain.trainer.engine import (
     dp_all_reduce_sum,
     loss_tokens,
     max_over_ranks,
+    once_per_sp_group,
     peak_memory_gb,
     plan_micro_batches,
     quiet_non_main,
@@ -75,7 +76,7 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
             nll_total += float(nll)
             tokens_total += loss_tokens(micro_batch)
     model.train()
-    nll_sum, token_sum = all_reduce_sum([nll_total, tokens_total * (parallel.sp_rank == 0)], parallel.device)
+    nll_sum, token_sum = all_reduce_sum([nll_total, *once_per_sp_group([tokens_total], parallel)], parallel.device)
     return nll_sum / max(token_sum, 1.0)
 
 
@@ -112,15 +113,17 @@ def run_sft(config: SFTConfig) -> None:
     )
     bar = progress_bar(total_steps, step, parallel.is_main)
     model.train()
+    batches, batches_epoch = [], -1
     while step < total_steps:
         epoch, index = divmod(step, steps_per_epoch)
-        indices = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle)[index]
-        mine = [train[i] for i in rank_share(indices, parallel.dp_rank, parallel.dp_size)]
+        if epoch != batches_epoch:
+            batches, batches_epoch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle), epoch
+        mine = [train[i] for i in rank_share(batches[index], parallel.dp_rank, parallel.dp_size)]
         start = time.perf_counter()
         local = train_step(model, plan_micro_batches(mine, config.data, parallel), config, parallel, tokenizer.pad_token_id)
         lr = scheduler.get_last_lr()[0]
         grad_norm, applied = clipped_step(model, optimizer, scheduler, config.optim.clip_grad)
-        nll_sum, token_sum, seen = all_reduce_sum([local[0], local[1] * (parallel.sp_rank == 0), local[2] * (parallel.sp_rank == 0)], parallel.device)
+        nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
         elapsed = time.perf_counter() - start
         step += 1
         metrics = {
