@@ -1,0 +1,26 @@
+"""The benchmark scripts run (at toy sizes; their numbers are recorded in docs/performance.md, not asserted)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_bench_logprob_runs_and_chunking_keeps_the_loss(tmp_path):
+    out = tmp_path / "logprob.json"
+    subprocess.run([sys.executable, "scripts/bench_logprob.py", "--tokens", "64", "--hidden", "32", "--chunk", "16", "--json", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())
+    assert [(r["vocab"], r["chunk"]) for r in rows] == [("smollm2-49k", 0), ("smollm2-49k", 16), ("qwen2-151k", 0), ("qwen2-151k", 16)]
+    for full, chunked in zip(rows[::2], rows[1::2]):
+        assert abs(full["loss"] - chunked["loss"]) < 1e-3 * abs(full["loss"])
+
+
+def test_bench_sp_runs(tmp_path):
+    out = tmp_path / "sp.json"
+    subprocess.run([sys.executable, "scripts/bench_sp.py", "--seq-len", "256", "--sizes", "1", "2", "--layers", "1", "--hidden", "64",
+                    "--vocab", "512", "--iters", "1", "--json", str(out)], cwd=REPO, check=True, capture_output=True, timeout=300)
+    results = json.loads(out.read_text())["results"]
+    assert [r["tokens_per_rank"] for r in results] == [256, 128]
+    assert results[1]["activation_mb"] < results[0]["activation_mb"]
