@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, assert_same_weights, hf_weights, losses, read_metrics, run_sft, sft_args, torchrun
+from conftest import REPO, assert_same_weights, hf_weights, losses, read_metrics, run_sft, sft_args
 
 STEPS = 6
 SAVE_HF = "[model,optimizer,extra,hf_model]"
