@@ -35,16 +35,15 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 # ---- data shared by every system ---------------------------------------------------------------------
 def tokenized(model_dir: str, train: str, max_length: int):
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from fsdptrain.config.schema import DataConfig
+    from fsdptrain.config.schema import DataConfig, sft_defaults, to_typed
     from fsdptrain.data.dataset import load_sft_samples
 
-    base = OmegaConf.load(os.path.join(HERE, "..", "fsdptrain", "config", "sft_trainer.yaml")).data
+    base = sft_defaults().data
     base.update({"train_files": [train], "max_length": max_length, "truncation": "right"})
     base.multiturn.enable = True
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), base))
+    config = to_typed(base, DataConfig)
     return load_sft_samples([train], AutoTokenizer.from_pretrained(model_dir), config)
 
 
@@ -160,7 +159,7 @@ def launch(cmd, env=None) -> float:
     return memory["peak"] / 2**30
 
 
-def run_fsdptrain(args, result: str) -> dict:
+def run_fsdptrain(args) -> dict:
     out = os.path.join(args.work, "fsdptrain")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m", "fsdptrain.sft_trainer",
            f"data.train_files={args.train}", "data.multiturn.enable=true", f"data.max_length={args.max_length}", "data.truncation=right",
@@ -256,7 +255,7 @@ def main() -> None:
         results = {}
         for system in args.systems:
             if system == "fsdptrain":
-                results[system] = run_fsdptrain(args, "")
+                results[system] = run_fsdptrain(args)
                 continue
             out = os.path.join(args.work, f"{system}.json")
             cmd = [sys.executable, __file__, "--run", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,

@@ -35,9 +35,8 @@ def build_folder(path: str, args) -> None:
 
 def worker(args) -> None:
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
-    from fsdptrain.config.schema import ModelConfig
+    from fsdptrain.config.schema import ModelConfig, sft_defaults, to_typed
     from fsdptrain.data.batching import collate_packed
     from fsdptrain.data.dataset import Sample
     from fsdptrain.distributed.mesh import init_parallel
@@ -46,10 +45,10 @@ def worker(args) -> None:
     from fsdptrain.models.loss import token_nll_sum
 
     parallel = init_parallel("auto", int(os.environ["WORLD_SIZE"]))
-    defaults = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "fsdptrain", "config", "sft_trainer.yaml")).model
+    defaults = sft_defaults().model
     defaults.partial_pretrain = args.model
     defaults.enable_gradient_checkpointing = False
-    model_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), defaults))
+    model_config = to_typed(defaults, ModelConfig)
     model = build_model(model_config, load_model_config(model_config, parallel.sp_size), parallel, packed=True)
 
     g = torch.Generator().manual_seed(0)

@@ -83,10 +83,14 @@ def sft_args(model: str, data: Dict[str, str], out: str, **overrides) -> List[st
     return [f"{k}={v}" for k, v in args.items()]
 
 
-def torchrun(nproc: int, module: str, args: List[str], check: bool = True, extra: Optional[List[str]] = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []), "-m", module, *args]
+def torchrun_cmd(nproc: int, module: str, args: List[str], extra: Optional[List[str]] = None) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []), "-m", module, *args]
+
+
+def torchrun(nproc: int, module: str, args: List[str], check: bool = True, extra: Optional[List[str]] = None, **run_kwargs):
+    cmd = torchrun_cmd(nproc, module, args, extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **run_kwargs)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {result.returncode}\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
     return result

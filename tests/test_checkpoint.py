@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, assert_same_weights, hf_weights, losses, read_metrics, run_sft, sft_args
+from conftest import REPO, assert_same_weights, hf_weights, losses, read_metrics, run_sft, sft_args, torchrun, torchrun_cmd
 
 STEPS = 6
 SAVE_HF = "[model,optimizer,extra,hf_model]"
@@ -28,8 +28,7 @@ def tracker(out: str) -> int:
 
 
 def start_sft(nproc: int, model, data, out, torchrun_args=(), env=None, **overrides) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
-           "-m", "fsdptrain.sft_trainer", *sft_args(model, data, out, **overrides)]
+    cmd = torchrun_cmd(nproc, "fsdptrain.sft_trainer", sft_args(model, data, out, **overrides), list(torchrun_args))
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
@@ -154,10 +153,9 @@ def test_write_failure_is_clear_and_keeps_the_previous_checkpoint(tmp_path, tiny
     """A file-size limit makes checkpoint writes fail (EFBIG), as a full disk would."""
     out = str(tmp_path)
     run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "fsdptrain.sft_trainer",
-           *sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=4)]
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    result = torchrun(1, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=4),
+                      check=False, preexec_fn=limit)
     assert result.returncode != 0
     assert f"checkpoint save under {out} failed (is the disk full or not writable?)" in result.stderr
     assert tracker(out) == 2 and os.path.isfile(os.path.join(out, "global_step_2", "meta.json"))

@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from fsdptrain.config.schema import DataConfig
+from fsdptrain.config.schema import DataConfig, sft_defaults, to_typed
 from fsdptrain.data.chat import tokenize_conversation
 from fsdptrain.data.dataset import DataError, load_sft_samples
 
@@ -13,12 +13,12 @@ GOOD = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel
 
 
 def data_config(**overrides) -> DataConfig:
-    base = OmegaConf.load("fsdptrain/config/sft_trainer.yaml").data
+    base = sft_defaults().data
     base.train_files = "unused"
     base.multiturn.enable = True
     for key, value in overrides.items():
         OmegaConf.update(base, key.replace("__", "."), value)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), base))
+    return to_typed(base, DataConfig)
 
 
 def write(path, **columns) -> str:

@@ -4,16 +4,14 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
-from fsdptrain.config.schema import OptimConfig
+from fsdptrain.config.schema import OptimConfig, sft_defaults, to_typed
 from fsdptrain.trainer.optim import build_optimizer, build_scheduler, clipped_step, lr_factor
 
 
 def optim_config(**overrides) -> OptimConfig:
-    base = OmegaConf.load("fsdptrain/config/sft_trainer.yaml").optim
+    base = sft_defaults().optim
     base.update(overrides)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), base))
+    return to_typed(base, OptimConfig)
 
 
 def factors(config, total=100):

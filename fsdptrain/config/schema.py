@@ -4,6 +4,7 @@ Defaults live in the YAML files beside this one; the dataclasses here only fix n
 missing from the YAML, an unknown key or a value of the wrong type fails with its full dotted name.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -134,6 +135,11 @@ def _as_path_list(key: str, value: Any) -> List[str]:
     if not all(isinstance(p, str) and p for p in paths):
         raise ConfigError(f"{key} must be a path or a list of paths, got {value!r}")
     return paths
+
+
+def sft_defaults() -> DictConfig:
+    """The defaults of sft_trainer.yaml, for building a config (or one of its sections) outside Hydra."""
+    return OmegaConf.load(os.path.join(os.path.dirname(__file__), "sft_trainer.yaml"))
 
 
 def to_typed(cfg: DictConfig, schema: type) -> Any:

@@ -34,16 +34,12 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.group), None
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _AllToAll.apply(x, group)
-
-
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(T/S, H, D) sequence slice -> (T, H/S, D): the whole sequence for this rank's heads."""
     size = dist.get_world_size(group)
     local, heads, dim = x.shape
     slots = x.reshape(local, size, heads // size, dim).transpose(0, 1)  # slot r: heads for rank r
-    return _all_to_all(slots, group).reshape(local * size, heads // size, dim)  # slot r: sequence slice r
+    return _AllToAll.apply(slots, group).reshape(local * size, heads // size, dim)  # slot r: sequence slice r
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -51,7 +47,7 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     total, heads, dim = x.shape
     slots = x.reshape(size, total // size, heads, dim)  # slot r: sequence slice r
-    return _all_to_all(slots, group).transpose(0, 1).reshape(total // size, heads * size, dim)
+    return _AllToAll.apply(slots, group).transpose(0, 1).reshape(total // size, heads * size, dim)
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
