@@ -9,8 +9,10 @@ each step's loss is the sum of token cross-entropies over the global count of lo
 balance_dp_token=true; Trainer's num_items_in_batch). The table shows each system's step losses against
 fsdptrain's, so a system that trains something else shows up.
 
-Throughput counts steps 2..N (step 1 warms up). Memory is the peak of the summed RSS of all of a system's
-processes (sampled), or torch.cuda.max_memory_allocated on CUDA. MFU = (6 * matmul params * tokens
+Throughput counts steps 2..N (step 1 warms up). Memory: the sum over a system's processes of each one's peak
+RSS (exact; with several processes an upper bound on the peak of their sum), the sampled peak of their summed
+PSS (which counts the libraries the processes share once), and on CUDA torch.cuda.max_memory_allocated (the
+maximum over ranks). MFU = (6 * matmul params * tokens
 + 6 * layers * hidden * sum of squared sequence lengths) / time, over a matmul peak measured in this run.
 TRL and Trainer run in one process using every core; fsdptrain runs `--nproc` processes of one thread each.
 TRL's padding-free mode is measured too: with SDPA it keeps samples apart only where transformers detects
@@ -121,42 +123,60 @@ def _diffs(ends):
 
 
 # ---- orchestration ---------------------------------------------------------------------------------------
-def peak_tree_rss(process: subprocess.Popen, stop: threading.Event, out: dict) -> None:
-    """Sample the summed RSS of `process` and its descendants until `stop`; keep the maximum (bytes)."""
-    out["peak"] = 0
+def _tree(root: int) -> list:
+    children = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(pid))
+        except OSError:
+            continue
+    tree, todo = [], [root]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def _memory_kb(pid: int) -> tuple:
+    """(peak RSS so far, PSS now) of one process in kB. PSS divides the pages that processes share (the torch
+    libraries every process of a multi-process run maps) among them, so a sum of PSS counts them once."""
+    with open(f"/proc/{pid}/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        pss = next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    return hwm, pss
+
+
+def peak_tree_memory(process: subprocess.Popen, stop: threading.Event, out: dict) -> None:
+    """Until `stop`, follow `process` and its descendants: out["rss"] is the sum of each process's peak RSS (the
+    kernel's exact high-water mark; an upper bound on the peak of the sum), out["pss"] the sampled peak of the
+    summed PSS (bytes)."""
+    hwm, out["pss"] = {}, 0
     while not stop.is_set():
-        children, total = {}, 0
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        pss = 0
+        for pid in _tree(process.pid):
             try:
-                with open(f"/proc/{pid}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(pid))
-            except OSError:
-                continue
-        todo = [process.pid]
-        while todo:
-            pid = todo.pop()
-            todo.extend(children.get(pid, []))
-            try:
-                with open(f"/proc/{pid}/status") as f:
-                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+                hwm[pid], p = _memory_kb(pid)
             except (OSError, StopIteration):
                 continue
-        out["peak"] = max(out["peak"], total)
+            pss += p * 1024
+        out["rss"], out["pss"] = sum(hwm.values()) * 1024, max(out["pss"], pss)
         time.sleep(0.1)
 
 
-def launch(cmd, env=None) -> float:
-    """Run `cmd`; returns its peak tree RSS in GB."""
+def launch(cmd, env=None) -> dict:
+    """Run `cmd`; returns the peaks of its process tree's summed RSS and PSS, in GB."""
     process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stop, memory = threading.Event(), {}
-    poller = threading.Thread(target=peak_tree_rss, args=(process, stop, memory))
+    poller = threading.Thread(target=peak_tree_memory, args=(process, stop, memory))
     poller.start()
     _, err = process.communicate()
     stop.set()
     poller.join()
     if process.returncode:
         raise SystemExit(f"{' '.join(cmd[:6])} ... failed:\n{err[-4000:]}")
-    return memory["peak"] / 2**30
+    return {"rss_gb": memory["rss"] / 2**30, "pss_gb": memory["pss"] / 2**30}
 
 
 def run_fsdptrain(args) -> dict:
@@ -170,13 +190,13 @@ def run_fsdptrain(args) -> dict:
            f"model.fsdp_config.mixed_precision.param_dtype={'bf16' if args.bf16 else 'fp32'}",
            "optim.betas=[0.9,0.999]", *args.fsdptrain_overrides,  # HF's AdamW betas, so that the runs agree
            f"trainer.default_local_dir={out}", "trainer.checkpoint.save_contents=[]", "trainer.resume_mode=disable"]
-    rss = launch(cmd)
+    memory = launch(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     steps = step_tokens(tokenized(args.model_dir, args.train, args.max_length), args.batch, args.steps)
     # perf/tokens_per_sec is (tokens of the step) / (the step's time): recover each step's time.
     times = [s[0] / m["perf/tokens_per_sec"] for s, m in zip(steps, metrics)][1:]
-    return {"losses": [m["train/loss"] for m in metrics], "step_times": times, "rss_gb": rss,
+    return {"losses": [m["train/loss"] for m in metrics], "step_times": times, **memory,
             "cuda_peak_gb": metrics[-1]["perf/max_memory_gb"] if torch.cuda.is_available() else None}
 
 
@@ -261,29 +281,31 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--run", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
                    "--work", os.path.join(args.work, system), "--steps", str(args.steps), "--batch", str(args.batch),
                    "--micro", str(args.micro), "--max-length", str(args.max_length), "--lr", str(args.lr)] + (["--bf16"] if args.bf16 else [])
-            rss = launch(cmd, env={"WANDB_MODE": "disabled"})
+            memory = launch(cmd, env={"WANDB_MODE": "disabled"})
             with open(out) as f:
-                results[system] = {**json.load(f), "rss_gb": rss}
+                results[system] = {**json.load(f), **memory}
 
     total_tokens, loss_tokens = sum(s[0] for s in steps), sum(s[1] for s in steps)
     base = results.get("fsdptrain")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     print(f"\nSFT, {args.model} ({n_params / 1e6:.1f}M params), {args.steps} steps of {args.batch} chats, device {device}, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'system':<18} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} {'peak GB':>8} {'x':>5} {'MFU':>6} {'step-1 loss':>11} "
-          f"{'step-N loss':>11} {'max |dloss|':>11}")
+    memory_keys = (["cuda_peak_gb"] if torch.cuda.is_available() else []) + ["rss_gb", "pss_gb"]
+    print(f"{'system':<18} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
+          + "".join(f"{key[:-3].replace('_', ' ') + ' GB':>13} {'x':>5} " for key in memory_keys)
+          + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11}")
     rows = []
     for system, r in results.items():
         seconds = sum(r["step_times"])
-        memory = r["cuda_peak_gb"] or r["rss_gb"]
         row = {"system": system, "loss_tokens_per_s": loss_tokens / seconds, "tokens_per_s": total_tokens / seconds,
-               "peak_gb": memory, "mfu": flops / seconds / peak, "losses": r["losses"],
+               **{key: r[key] for key in memory_keys}, "mfu": flops / seconds / peak, "losses": r["losses"],
                "max_loss_diff_vs_fsdptrain": max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else None}
         rows.append(row)
-        speed = row["loss_tokens_per_s"] / (loss_tokens / sum(base["step_times"])) if base else float("nan")
-        mem = memory / (base["cuda_peak_gb"] or base["rss_gb"]) if base else float("nan")
-        print(f"{system:<18} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} {memory:>8.2f} {mem:>5.2f} "
-              f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {row['max_loss_diff_vs_fsdptrain']:>11.4f}")
+        ratio = lambda value, base_value: value / base_value if base else float("nan")  # noqa: E731
+        speed = ratio(row["loss_tokens_per_s"], loss_tokens / sum(base["step_times"]) if base else 1)
+        print(f"{system:<18} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
+              + "".join(f"{r[key]:>13.2f} {ratio(r[key], base[key] if base else 1):>5.2f} " for key in memory_keys)
+              + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {row['max_loss_diff_vs_fsdptrain']:>11.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "steps": args.steps, "batch": args.batch, "device": device,

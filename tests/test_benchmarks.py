@@ -24,3 +24,13 @@ def test_bench_sp_runs(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r["tokens_per_rank"] for r in results] == [256, 128]
     assert results[1]["activation_mb"] < results[0]["activation_mb"]
+
+
+def test_bench_sft_runs_fsdptrain_and_measures_its_processes(tmp_path):
+    out = tmp_path / "sft.json"
+    subprocess.run([sys.executable, "scripts/bench_sft.py", "--systems", "fsdptrain", "--steps", "2", "--batch", "4", "--micro", "2",
+                    "--work", str(tmp_path), "--json", str(out)], cwd=REPO, check=True, capture_output=True, timeout=300)
+    [row] = json.loads(out.read_text())["rows"]
+    assert len(row["losses"]) == 2 and row["loss_tokens_per_s"] > 0
+    # Two ranks and the launcher each hold torch (hundreds of MB); PSS counts their shared libraries once.
+    assert 0.5 < row["pss_gb"] < row["rss_gb"]

@@ -27,16 +27,27 @@ def test_chunked_equals_full_logits(chunk):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_model_loss_and_parameter_gradients_match(tiny_qwen2):
+def _mask(n: int, kind: str) -> torch.Tensor:
+    mask = torch.ones(n, dtype=torch.long)
+    if kind == "assistant":  # a prompt, then an answer: only positions with a target reach the output layer
+        mask[: n // 2] = 0
+    elif kind == "none":  # no target at all: the loss is 0 and the backward still runs
+        mask[:] = 0
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["all", "assistant", "none"])
+def test_model_loss_and_parameter_gradients_match(tiny_qwen2, kind):
     models = [AutoModelForCausalLM.from_pretrained(tiny_qwen2, attn_implementation=PACKED_ATTENTION, dtype=torch.float32) for _ in range(2)]
     add_nll_forward(models[0], chunk_tokens=0)
     add_nll_forward(models[1], chunk_tokens=10)
     g = torch.Generator().manual_seed(1)
-    samples = [Sample(torch.randint(3, 1000, (n,), generator=g), torch.ones(n, dtype=torch.long)) for n in (13, 40)]
+    samples = [Sample(torch.randint(3, 1000, (n,), generator=g), _mask(n, kind)) for n in (13, 40)]
     batch = collate_packed(samples)
     losses = [token_nll_sum(m, batch) for m in models]
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-6)
+    assert (float(losses[0]) == 0.0) == (kind == "none")
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")

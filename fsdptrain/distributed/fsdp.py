@@ -1,4 +1,5 @@
-"""FSDP2 applied to a plain Hugging Face causal LM: one group per decoder layer, then the root."""
+"""FSDP2 applied to a plain Hugging Face causal LM: one group per decoder layer, one for an untied input
+embedding, then the root (final norm, output layer, and the embedding when it is tied to the output layer)."""
 
 import torch
 from torch import nn
@@ -32,4 +33,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: t
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
+    # An untied embedding in its own group is gathered only around its forward and backward, not held through
+    # the whole step with the root. The output layer stays in the root: the chunked loss reads its weight
+    # inside the root's gathered region without calling it as a module.
+    if not model.config.tie_word_embeddings:
+        fully_shard(model.get_input_embeddings(), **kwargs)
     fully_shard(model, **kwargs)

@@ -1,9 +1,11 @@
 """Token-level negative log-likelihood of a causal LM: the one place both trainers compute it.
 
-The chunked path never holds the (tokens x vocab) logits: it runs the backbone to the last hidden state and
-applies the output layer chunk by chunk, each chunk's logits recomputed in the backward (activation
-checkpointing), so the loss stage peaks at one chunk's logits. Models that transform logits after the
-output layer (soft-capping, scaling) take the full-logits path.
+The chunked path never holds the (tokens x vocab) logits: it runs the backbone to the last hidden state, keeps
+the positions that have a target (prompt tokens need no logits: in chat SFT that skips most of the output
+layer's work) and applies the output layer to them chunk by chunk, each chunk's logits recomputed in the
+backward (activation checkpointing), so the loss stage peaks at one chunk's logits. Models that transform
+logits after the output layer (soft-capping, scaling) take the full-logits path, which is also the reference
+the chunked one is tested against.
 """
 
 from functools import partial
@@ -30,7 +32,8 @@ def _chunk_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """sum_t CE(hidden[t] @ weight.T, labels[t]) over labels != IGNORE_INDEX; hidden (T, H), labels (T,)."""
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
+    # At least one (possibly empty) chunk, so the result stays connected to the graph when no label counts.
+    for start in range(0, max(hidden.shape[0], 1), chunk_tokens):
         end = start + chunk_tokens
         total = total + checkpoint(_chunk_nll_sum, hidden[start:end], weight, labels[start:end], use_reentrant=False)
     return total
@@ -43,9 +46,11 @@ def _supports_chunking(model: nn.Module) -> bool:
 
 def _nll_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **inputs) -> torch.Tensor:
     if chunk_tokens and _supports_chunking(model):
-        hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+        hidden = model.base_model(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)
+        labels = labels.flatten()
+        targets = labels != IGNORE_INDEX
         weight = model.get_output_embeddings().weight
-        return chunked_cross_entropy_sum(hidden.flatten(0, 1), weight, labels.flatten(), chunk_tokens)
+        return chunked_cross_entropy_sum(hidden[targets], weight, labels[targets], chunk_tokens)
     logits = model(**inputs, use_cache=False).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
