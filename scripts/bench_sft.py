@@ -301,11 +301,12 @@ def main() -> None:
                **{key: r[key] for key in memory_keys}, "mfu": flops / seconds / peak, "losses": r["losses"],
                "max_loss_diff_vs_fsdptrain": max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else None}
         rows.append(row)
-        ratio = lambda value, base_value: value / base_value if base else float("nan")  # noqa: E731
-        speed = ratio(row["loss_tokens_per_s"], loss_tokens / sum(base["step_times"]) if base else 1)
+        nan = float("nan")  # ratios and loss differences need fsdptrain among the systems
+        diff = row["max_loss_diff_vs_fsdptrain"] if base else nan
+        speed = row["loss_tokens_per_s"] * sum(base["step_times"]) / loss_tokens if base else nan
         print(f"{system:<18} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
-              + "".join(f"{r[key]:>13.2f} {ratio(r[key], base[key] if base else 1):>5.2f} " for key in memory_keys)
-              + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {row['max_loss_diff_vs_fsdptrain']:>11.4f}")
+              + "".join(f"{r[key]:>13.2f} {r[key] / base[key] if base else nan:>5.2f} " for key in memory_keys)
+              + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {diff:>11.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "steps": args.steps, "batch": args.batch, "device": device,

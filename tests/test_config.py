@@ -47,6 +47,7 @@ def test_unknown_key_from_the_command_line(tmp_path):
         ("trainer.logger=[console,mlflow]", "trainer.logger must be one of console|file|wandb|tensorboard, got 'mlflow'"),
         ("data.use_dynamic_bsz=true", "data.max_token_len_per_gpu is required when data.use_dynamic_bsz=true"),
         ("trainer.resume_mode=resume_path", "trainer.resume_from_path is required"),
+        ("trainer.profile_step=0", "trainer.profile_step must be > 0"),
         ("trainer.checkpoint.save_contents=[model,weights]", "trainer.checkpoint.save_contents must be one of"),
         ("trainer.save_freq=0", "trainer.save_freq must be -1"),
     ],

@@ -63,7 +63,7 @@ def test_ten_step_run(tmp_path, tiny_llama, chat_data):
     result = run_sft(
         2, tiny_llama, chat_data, out,
         trainer__total_training_steps=10, trainer__test_freq=5, trainer__logger='["console","file"]',
-        model__enable_gradient_checkpointing="true", optim__lr_warmup_steps_ratio=0.1,
+        model__enable_gradient_checkpointing="true", optim__lr_warmup_steps_ratio=0.1, trainer__profile_step=3,
     )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(1, 11))
@@ -74,6 +74,10 @@ def test_ten_step_run(tmp_path, tiny_llama, chat_data):
         assert all(key in m for m in metrics), key
     assert result.stdout.count("step 1 |") == 1  # rank 0 alone prints
     assert os.path.isfile(os.path.join(out, "global_step_10", "meta.json"))
+    profile = os.path.join(out, "profile")
+    assert sorted(os.listdir(profile)) == [f"step3_rank{r}.{ext}" for r in (0, 1) for ext in ("json", "txt")]
+    with open(os.path.join(profile, "step3_rank0.txt")) as f:
+        assert "aten::mm" in f.read()  # the step's matmuls were recorded
 
 
 def test_every_logger(tmp_path, tiny_llama, chat_data):

@@ -101,6 +101,7 @@ class TrainerConfig:
     logger: List[str]
     seed: int
     device: str
+    profile_step: Optional[int]
 
 
 @dataclass
@@ -204,6 +205,7 @@ def validate_trainer(trainer: TrainerConfig) -> None:
     for name in trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
     _one_of("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
+    _positive("trainer.profile_step", trainer.profile_step, allow_none=True)
 
 
 def validate_data(data: DataConfig) -> None:

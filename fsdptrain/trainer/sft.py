@@ -14,6 +14,7 @@ from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, load_sft_samples
 from fsdptrain.distributed.mesh import Parallel, init_parallel
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
+from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.loading import build_model, load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.trainer.engine import (
@@ -120,9 +121,10 @@ def run_sft(config: SFTConfig) -> None:
             batches, batches_epoch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle), epoch
         mine = [train[i] for i in rank_share(batches[index], parallel.dp_rank, parallel.dp_size)]
         start = time.perf_counter()
-        local = train_step(model, plan_micro_batches(mine, config.data, parallel), config, parallel, tokenizer.pad_token_id)
         lr = scheduler.get_last_lr()[0]
-        grad_norm, applied = clipped_step(model, optimizer, scheduler, config.optim.clip_grad)
+        with profile_step(step + 1 == config.trainer.profile_step, step + 1, config.trainer.default_local_dir, parallel.rank):
+            local = train_step(model, plan_micro_batches(mine, config.data, parallel), config, parallel, tokenizer.pad_token_id)
+            grad_norm, applied = clipped_step(model, optimizer, scheduler, config.optim.clip_grad)
         nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
         elapsed = time.perf_counter() - start
         step += 1
