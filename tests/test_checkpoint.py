@@ -172,7 +172,10 @@ def small_checkpoint(tmp_path_factory, tiny_llama, chat_data):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "/no/such/dir"}, "trainer.resume_from_path='/no/such/dir' does not exist"),
+        (
+            {"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "/no/such/dir"},
+            "trainer.resume_from_path='/no/such/dir' does not exist",
+        ),
         ({"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "{ckpt}"}, "is not a checkpoint folder"),
         ({"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "{ckpt}/global_step_1",
           "trainer__checkpoint__load_contents": "[model,optimizer]"}, r"load_contents asks for \['optimizer'\]"),

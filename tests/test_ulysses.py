@@ -53,6 +53,7 @@ def test_qwen2_with_fewer_kv_heads_than_sp(tmp_path, tiny_qwen2, chat_data):
 
 
 def test_heads_not_divisible_by_sp_fail_at_start(tmp_path, tiny_llama, chat_data):
-    result = run_sft(3, tiny_llama, chat_data, str(tmp_path), check=False, ulysses_sequence_parallel_size=3, data__train_batch_size=9, data__micro_batch_size_per_gpu=3)
+    result = run_sft(3, tiny_llama, chat_data, str(tmp_path), check=False, ulysses_sequence_parallel_size=3,
+                     data__train_batch_size=9, data__micro_batch_size_per_gpu=3)
     assert result.returncode != 0
     assert "ulysses_sequence_parallel_size (3) must divide the model's num_attention_heads (4)" in result.stderr
