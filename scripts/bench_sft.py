@@ -179,7 +179,8 @@ def launch(cmd, env=None) -> dict:
     return {"rss_gb": memory["rss"] / 2**30, "pss_gb": memory["pss"] / 2**30}
 
 
-def run_fsdptrain(args) -> dict:
+def run_fsdptrain(args, steps: list) -> dict:
+    """fsdptrain under torchrun; `steps` are step_tokens of every step, to turn its logged rates into step times."""
     out = os.path.join(args.work, "fsdptrain")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m", "fsdptrain.sft_trainer",
            f"data.train_files={args.train}", "data.multiturn.enable=true", f"data.max_length={args.max_length}", "data.truncation=right",
@@ -193,7 +194,6 @@ def run_fsdptrain(args) -> dict:
     memory = launch(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
-    steps = step_tokens(tokenized(args.model_dir, args.train, args.max_length), args.batch, args.steps)
     # perf/tokens_per_sec is (tokens of the step) / (the step's time): recover each step's time.
     times = [s[0] / m["perf/tokens_per_sec"] for s, m in zip(steps, metrics)][1:]
     return {"losses": [m["train/loss"] for m in metrics], "step_times": times, **memory,
@@ -263,19 +263,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.work = args.work or tmp
         prepare(args)
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(args.model_dir)
-        samples = tokenized(args.model_dir, args.train, args.max_length)
-        steps = step_tokens(samples, args.batch, args.steps)[1:]
-        n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(config).parameters())
+        every_step = step_tokens(tokenized(args.model_dir, args.train, args.max_length), args.batch, args.steps)
+        steps = every_step[1:]  # the timed ones
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         matmul_params = n_params - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
         flops = sum(6 * matmul_params * t + 6 * config.num_hidden_layers * config.hidden_size * sq for t, _, sq in steps)
         peak = matmul_peak_flops(os.cpu_count() if not torch.cuda.is_available() else 1)
         results = {}
         for system in args.systems:
             if system == "fsdptrain":
-                results[system] = run_fsdptrain(args)
+                results[system] = run_fsdptrain(args, every_step)
                 continue
             out = os.path.join(args.work, f"{system}.json")
             cmd = [sys.executable, __file__, "--run", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
