@@ -11,10 +11,12 @@ fsdptrain's, so a system that trains something else shows up.
 
 Throughput counts steps 2..N (step 1 warms up). Memory: the sum over a system's processes of each one's peak
 RSS (exact; with several processes an upper bound on the peak of their sum), the sampled peak of their summed
-PSS (which counts the libraries the processes share once), and on CUDA torch.cuda.max_memory_allocated (the
-maximum over ranks). MFU = (6 * matmul params * tokens
-+ 6 * layers * hidden * sum of squared sequence lengths) / time, over a matmul peak measured in this run.
-TRL and Trainer run in one process using every core; fsdptrain runs `--nproc` processes of one thread each.
+PSS (which counts the libraries the processes share once), the largest single process's peak RSS (what one
+rank needs: the CPU counterpart of a GPU's memory), and on CUDA torch.cuda.max_memory_allocated (the maximum
+over ranks). MFU = (6 * matmul params * tokens + 6 * layers * hidden * sum of squared sequence lengths) / time,
+over a matmul peak measured in this run. fsdptrain runs `--nproc` processes of one thread each under torchrun.
+TRL and Trainer run in one process using every core; their `-ddp` variants (`trl-ddp`, `trl-padding-free-ddp`,
+`trainer-ddp`) run `--nproc` DDP processes under torchrun like fsdptrain, with the same global batch.
 TRL's padding-free mode is measured too: with SDPA it keeps samples apart only where transformers detects
 packed position_ids, so its loss column is the check that it trains the same thing.
 """
@@ -74,14 +76,15 @@ def run_hf(system: str, args) -> None:
             if logs and "loss" in logs:
                 records["loss"].append(logs["loss"])
 
+    world = int(os.environ.get("WORLD_SIZE", 1))
     common = dict(
-        output_dir=args.work, per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.batch // args.micro,
+        output_dir=args.work, per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.batch // (args.micro * world),
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], gradient_checkpointing=False,
         dataloader_drop_last=True, seed=0, disable_tqdm=True, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
     )
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    if system == "trainer":
+    if system.startswith("trainer"):
         rows = {"input_ids": [s.input_ids.tolist() for s in samples],
                 "labels": [torch.where(s.loss_mask.bool(), s.input_ids, -100).tolist() for s in samples]}
 
@@ -107,12 +110,14 @@ def run_hf(system: str, args) -> None:
             def _get_train_sampler(self, *_, **__):
                 return torch.utils.data.SequentialSampler(self.train_dataset)
 
-        padding_free = system == "trl-padding-free"  # rows come truncated; TRL asks for no max_length then
+        padding_free = system.startswith("trl-padding-free")  # rows come truncated; TRL asks for no max_length then
         config = SFTConfig(**common, max_length=None if padding_free else args.max_length, padding_free=padding_free,
                            assistant_only_loss=False, completion_only_loss=False, dataset_num_proc=None)
         trainer = Sequential(model=model, args=config, train_dataset=Dataset.from_dict(rows),
                              processing_class=AutoTokenizer.from_pretrained(args.model_dir), callbacks=[Record()])
     trainer.train()
+    if trainer.args.process_index:  # under torchrun, rank 0 reports for all (Trainer logs losses gathered over ranks)
+        return
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     with open(args.result, "w") as f:
         json.dump({"losses": records["loss"], "step_times": list(map(float, _diffs(records["step_end"]))), "cuda_peak_gb": peak}, f)
@@ -150,8 +155,8 @@ def _memory_kb(pid: int) -> tuple:
 
 def peak_tree_memory(process: subprocess.Popen, stop: threading.Event, out: dict) -> None:
     """Until `stop`, follow `process` and its descendants: out["rss"] is the sum of each process's peak RSS (the
-    kernel's exact high-water mark; an upper bound on the peak of the sum), out["pss"] the sampled peak of the
-    summed PSS (bytes)."""
+    kernel's exact high-water mark; an upper bound on the peak of the sum), out["max_rss"] the largest of them,
+    out["pss"] the sampled peak of the summed PSS (bytes)."""
     hwm, out["pss"] = {}, 0
     while not stop.is_set():
         pss = 0
@@ -161,7 +166,7 @@ def peak_tree_memory(process: subprocess.Popen, stop: threading.Event, out: dict
             except (OSError, StopIteration):
                 continue
             pss += p * 1024
-        out["rss"], out["pss"] = sum(hwm.values()) * 1024, max(out["pss"], pss)
+        out["rss"], out["max_rss"], out["pss"] = sum(hwm.values()) * 1024, max(hwm.values()) * 1024, max(out["pss"], pss)
         time.sleep(0.1)
 
 
@@ -176,7 +181,7 @@ def launch(cmd, env=None) -> dict:
     poller.join()
     if process.returncode:
         raise SystemExit(f"{' '.join(cmd[:6])} ... failed:\n{err[-4000:]}")
-    return {"rss_gb": memory["rss"] / 2**30, "pss_gb": memory["pss"] / 2**30}
+    return {"rss_gb": memory["rss"] / 2**30, "pss_gb": memory["pss"] / 2**30, "max_proc_rss_gb": memory["max_rss"] / 2**30}
 
 
 def run_fsdptrain(args, steps: list) -> dict:
@@ -252,13 +257,13 @@ def main() -> None:
     parser.add_argument("--work", help="work folder (default: a temporary one)")
     parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for fsdptrain")
     parser.add_argument("--json")
-    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--train", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.run:
-        return run_hf(args.run, args)
+    if args.worker:
+        return run_hf(args.worker, args)
 
     with tempfile.TemporaryDirectory() as tmp:
         args.work = args.work or tmp
@@ -278,7 +283,8 @@ def main() -> None:
                 results[system] = run_fsdptrain(args, every_step)
                 continue
             out = os.path.join(args.work, f"{system}.json")
-            cmd = [sys.executable, __file__, "--run", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"] if system.endswith("-ddp") else []
+            cmd = [sys.executable, *launcher, __file__, "--worker", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
                    "--work", os.path.join(args.work, system), "--steps", str(args.steps), "--batch", str(args.batch),
                    "--micro", str(args.micro), "--max-length", str(args.max_length), "--lr", str(args.lr)] + (["--bf16"] if args.bf16 else [])
             memory = launch(cmd, env={"WANDB_MODE": "disabled"})
@@ -290,9 +296,9 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     print(f"\nSFT, {args.model} ({n_params / 1e6:.1f}M params), {args.steps} steps of {args.batch} chats, device {device}, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s")
-    memory_keys = (["cuda_peak_gb"] if torch.cuda.is_available() else []) + ["rss_gb", "pss_gb"]
-    print(f"{'system':<18} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
-          + "".join(f"{key[:-3].replace('_', ' ') + ' GB':>13} {'x':>5} " for key in memory_keys)
+    memory_keys = (["cuda_peak_gb"] if torch.cuda.is_available() else []) + ["rss_gb", "pss_gb", "max_proc_rss_gb"]
+    print(f"{'system':<22} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
+          + "".join(f"{key[:-3].replace('_', ' ') + ' GB':>16} {'x':>5} " for key in memory_keys)
           + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11}")
     rows = []
     for system, r in results.items():
@@ -304,8 +310,8 @@ def main() -> None:
         nan = float("nan")  # ratios and loss differences need fsdptrain among the systems
         diff = row["max_loss_diff_vs_fsdptrain"] if base else nan
         speed = row["loss_tokens_per_s"] * sum(base["step_times"]) / loss_tokens if base else nan
-        print(f"{system:<18} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
-              + "".join(f"{r[key]:>13.2f} {r[key] / base[key] if base else nan:>5.2f} " for key in memory_keys)
+        print(f"{system:<22} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
+              + "".join(f"{r[key]:>16.2f} {r[key] / base[key] if base else nan:>5.2f} " for key in memory_keys)
               + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {diff:>11.4f}")
     if args.json:
         with open(args.json, "w") as f:

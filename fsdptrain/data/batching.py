@@ -4,7 +4,6 @@ A training step's samples depend only on (seed, epoch, batch index), never on th
 resumed at another data-parallel size continues the same data order.
 """
 
-import heapq
 from typing import Dict, List, Sequence
 
 import torch
@@ -23,24 +22,26 @@ def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int, shuf
     return [order[i : i + batch_size] for i in range(0, num_samples - batch_size + 1, batch_size)]
 
 
-def rank_share(items: Sequence, rank: int, world: int) -> list:
-    """The contiguous `rank`-th of `world` equal parts of `items` (len(items) divisible by world)."""
-    size = len(items) // world
-    return list(items[rank * size : (rank + 1) * size])
+def rank_share(samples: Sequence[Sample], rank: int, world: int) -> List[Sample]:
+    """The `rank`-th of `world` parts of a global batch: equal sample counts (len(samples) divisible by world),
+    near-equal token sums, so that no rank waits on a longer one at every collective."""
+    return [samples[i] for i in balanced_partition([len(s) for s in samples], world, equal_count=True)[rank]]
 
 
 def split_by_count(samples: Sequence[Sample], micro_batch_size: int) -> List[List[Sample]]:
     return [list(samples[i : i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]
 
 
-def balanced_partition(lengths: Sequence[int], parts: int) -> List[List[int]]:
-    """Indices split into `parts` groups of near-equal token sums (longest first onto the lightest group)."""
-    heap = [(0, part) for part in range(parts)]
+def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = False) -> List[List[int]]:
+    """Indices split into `parts` groups of near-equal token sums (longest first onto the lightest group);
+    with `equal_count`, onto the lightest group that has fewer than len(lengths) // parts."""
+    capacity = len(lengths) // parts if equal_count else len(lengths)
+    loads = [0] * parts
     groups: List[List[int]] = [[] for _ in range(parts)]
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        load, part = heapq.heappop(heap)
+        part = min((p for p in range(parts) if len(groups[p]) < capacity), key=lambda p: (loads[p], p))
         groups[part].append(index)
-        heapq.heappush(heap, (load + lengths[index], part))
+        loads[part] += lengths[index]
     return [sorted(g) for g in groups]
 
 

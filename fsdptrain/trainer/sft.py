@@ -119,7 +119,7 @@ def run_sft(config: SFTConfig) -> None:
         epoch, index = divmod(step, steps_per_epoch)
         if epoch != batches_epoch:
             batches, batches_epoch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle), epoch
-        mine = [train[i] for i in rank_share(batches[index], parallel.dp_rank, parallel.dp_size)]
+        mine = rank_share([train[i] for i in batches[index]], parallel.dp_rank, parallel.dp_size)
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         with profile_step(step + 1 == config.trainer.profile_step, step + 1, config.trainer.default_local_dir, parallel.rank):
