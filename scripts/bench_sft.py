@@ -170,8 +170,12 @@ def peak_tree_memory(process: subprocess.Popen, stop: threading.Event, out: dict
         time.sleep(0.1)
 
 
+def torchrun(nproc: int) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def launch(cmd, env=None) -> dict:
-    """Run `cmd`; returns the peaks of its process tree's summed RSS and PSS, in GB."""
+    """Run `cmd`; returns its process tree's summed peak RSS, peak summed PSS and largest process's peak RSS, in GB."""
     process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stop, memory = threading.Event(), {}
     poller = threading.Thread(target=peak_tree_memory, args=(process, stop, memory))
@@ -187,7 +191,7 @@ def launch(cmd, env=None) -> dict:
 def run_fsdptrain(args, steps: list) -> dict:
     """fsdptrain under torchrun; `steps` are step_tokens of every step, to turn its logged rates into step times."""
     out = os.path.join(args.work, "fsdptrain")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m", "fsdptrain.sft_trainer",
+    cmd = [*torchrun(args.nproc), "-m", "fsdptrain.sft_trainer",
            f"data.train_files={args.train}", "data.multiturn.enable=true", f"data.max_length={args.max_length}", "data.truncation=right",
            f"data.train_batch_size={args.batch}", f"data.micro_batch_size_per_gpu={args.micro}",
            "data.balance_dp_token=true", "data.shuffle=false", f"model.partial_pretrain={args.model_dir}",
@@ -248,12 +252,14 @@ def main() -> None:
     parser.add_argument("--smollm2-dir", help="an existing SmolLM2 HF folder (default: converted into the work dir)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro", type=int, default=4, help="samples per micro-batch of the single-process trainers")
+    parser.add_argument("--micro", type=int, default=4, help="samples per micro-batch (per process) of the Hugging Face trainers")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--bf16", action="store_true", help="bf16 compute in every system (default fp32, where losses agree tightly)")
-    parser.add_argument("--systems", nargs="+", default=["fsdptrain", "trl", "trl-padding-free", "trainer"])
+    hf_systems = ["trl", "trl-padding-free", "trainer"]
+    parser.add_argument("--systems", nargs="+", default=["fsdptrain", *hf_systems],
+                        choices=["fsdptrain", *hf_systems, *(f"{s}-ddp" for s in hf_systems)])
     parser.add_argument("--work", help="work folder (default: a temporary one)")
     parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for fsdptrain")
     parser.add_argument("--json")
@@ -264,6 +270,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return run_hf(args.worker, args)
+    for system in args.systems:
+        per_step = args.micro * (args.nproc if system.endswith("-ddp") else 1)
+        if system != "fsdptrain" and args.batch % per_step:
+            parser.error(f"--batch {args.batch} is not a multiple of {system}'s samples per accumulation step ({per_step})")
 
     with tempfile.TemporaryDirectory() as tmp:
         args.work = args.work or tmp
@@ -283,8 +293,8 @@ def main() -> None:
                 results[system] = run_fsdptrain(args, every_step)
                 continue
             out = os.path.join(args.work, f"{system}.json")
-            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"] if system.endswith("-ddp") else []
-            cmd = [sys.executable, *launcher, __file__, "--worker", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
+            launcher = torchrun(args.nproc) if system.endswith("-ddp") else [sys.executable]
+            cmd = [*launcher, __file__, "--worker", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
                    "--work", os.path.join(args.work, system), "--steps", str(args.steps), "--batch", str(args.batch),
                    "--micro", str(args.micro), "--max-length", str(args.max_length), "--lr", str(args.lr)] + (["--bf16"] if args.bf16 else [])
             memory = launch(cmd, env={"WANDB_MODE": "disabled"})
