@@ -1,6 +1,6 @@
 """SFT throughput and memory: fsdptrain vs TRL's SFTTrainer vs transformers' Trainer, in one run.
 
-    python scripts/bench_sft.py [--model tiny|smollm2] [--steps 10] [--batch 16] [--micro 4] [--nproc 2] [--json out.json]
+    python scripts/bench_sft.py [--model tiny|smollm2] [--steps 10] [--batch 16] [--micro 4] [--nproc 2] [--repeats 1] [--json out.json]
 
 Every system trains the same model from the same weights on the same token ids and loss targets (fsdptrain's
 chat-template tokenization, assistant tokens only), in the same order (no shuffling), with the same global
@@ -9,12 +9,14 @@ each step's loss is the sum of token cross-entropies over the global count of lo
 balance_dp_token=true; Trainer's num_items_in_batch). The table shows each system's step losses against
 fsdptrain's, so a system that trains something else shows up.
 
-Throughput counts steps 2..N (step 1 warms up). Memory: the sum over a system's processes of each one's peak
-RSS (exact; with several processes an upper bound on the peak of their sum), the sampled peak of their summed
-PSS (which counts the libraries the processes share once), the largest single process's peak RSS (what one
-rank needs: the CPU counterpart of a GPU's memory), and on CUDA torch.cuda.max_memory_allocated (the maximum
-over ranks). MFU = (6 * matmul params * tokens + 6 * layers * hidden * sum of squared sequence lengths) / time,
-over a matmul peak measured in this run. fsdptrain runs `--nproc` processes of one thread each under torchrun.
+Throughput counts steps 2..N (step 1 warms up). With `--repeats N` each system runs N times, the systems taking
+turns; the table shows each system's median run (and every run's loss tokens/s) and the largest memory peaks.
+Memory: the sum over a system's processes of each one's peak RSS (exact; with several processes an upper bound
+on the peak of their sum), the sampled peak of their summed PSS (which counts the libraries the processes share
+once), the largest single process's peak RSS (what one rank needs: the CPU counterpart of a GPU's memory), and
+on CUDA torch.cuda.max_memory_allocated (the maximum over ranks).
+MFU = (6 * matmul params * tokens + 6 * layers * hidden * sum of squared sequence lengths) / time, over a matmul
+peak measured in this run. fsdptrain runs `--nproc` processes of one thread each under torchrun.
 TRL and Trainer run in one process using every core; their `-ddp` variants (`trl-ddp`, `trl-padding-free-ddp`,
 `trainer-ddp`) run `--nproc` DDP processes under torchrun like fsdptrain, with the same global batch.
 TRL's padding-free mode is measured too: with SDPA it keeps samples apart only where transformers detects
@@ -24,6 +26,7 @@ packed position_ids, so its loss column is the check that it trains the same thi
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -191,6 +194,7 @@ def launch(cmd, env=None) -> dict:
 def run_fsdptrain(args, steps: list) -> dict:
     """fsdptrain under torchrun; `steps` are step_tokens of every step, to turn its logged rates into step times."""
     out = os.path.join(args.work, "fsdptrain")
+    shutil.rmtree(out, ignore_errors=True)  # a repeat starts afresh (the metrics file appends)
     cmd = [*torchrun(args.nproc), "-m", "fsdptrain.sft_trainer",
            f"data.train_files={args.train}", "data.multiturn.enable=true", f"data.max_length={args.max_length}", "data.truncation=right",
            f"data.train_batch_size={args.batch}", f"data.micro_batch_size_per_gpu={args.micro}",
@@ -207,6 +211,29 @@ def run_fsdptrain(args, steps: list) -> dict:
     times = [s[0] / m["perf/tokens_per_sec"] for s, m in zip(steps, metrics)][1:]
     return {"losses": [m["train/loss"] for m in metrics], "step_times": times, **memory,
             "cuda_peak_gb": metrics[-1]["perf/max_memory_gb"] if torch.cuda.is_available() else None}
+
+
+def run_hf_system(system: str, args) -> dict:
+    """TRL or Trainer in its own process (under torchrun for the -ddp variants); returns its losses, step times, memory."""
+    out = os.path.join(args.work, f"{system}.json")
+    launcher = torchrun(args.nproc) if system.endswith("-ddp") else [sys.executable]
+    cmd = [*launcher, __file__, "--worker", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
+           "--work", os.path.join(args.work, system), "--steps", str(args.steps), "--batch", str(args.batch),
+           "--micro", str(args.micro), "--max-length", str(args.max_length), "--lr", str(args.lr)] + (["--bf16"] if args.bf16 else [])
+    memory = launch(cmd, env={"WANDB_MODE": "disabled"})
+    with open(out) as f:
+        return {**json.load(f), **memory}
+
+
+def median_run(runs: list) -> dict:
+    """The run of median total step time, with every run's time and the largest memory peaks of all runs."""
+    ordered = sorted(runs, key=lambda r: sum(r["step_times"]))
+    median = dict(ordered[len(ordered) // 2])  # of an even count, the slower middle run
+    for key in ("rss_gb", "pss_gb", "max_proc_rss_gb", "cuda_peak_gb"):
+        peaks = [r[key] for r in runs if r.get(key) is not None]
+        median[key] = max(peaks) if peaks else None
+    median["run_seconds"] = [sum(r["step_times"]) for r in runs]
+    return median
 
 
 def matmul_peak_flops(threads: int) -> float:
@@ -256,6 +283,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per system, in turns; the table shows the median run and the largest memory peaks")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute in every system (default fp32, where losses agree tightly)")
     hf_systems = ["trl", "trl-padding-free", "trainer"]
     parser.add_argument("--systems", nargs="+", default=["fsdptrain", *hf_systems],
@@ -286,20 +315,14 @@ def main() -> None:
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         matmul_params = n_params - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
         flops = sum(6 * matmul_params * t + 6 * config.num_hidden_layers * config.hidden_size * sq for t, _, sq in steps)
-        peak = matmul_peak_flops(os.cpu_count() if not torch.cuda.is_available() else 1)
-        results = {}
-        for system in args.systems:
-            if system == "fsdptrain":
-                results[system] = run_fsdptrain(args, every_step)
-                continue
-            out = os.path.join(args.work, f"{system}.json")
-            launcher = torchrun(args.nproc) if system.endswith("-ddp") else [sys.executable]
-            cmd = [*launcher, __file__, "--worker", system, "--model-dir", args.model_dir, "--train", args.train, "--result", out,
-                   "--work", os.path.join(args.work, system), "--steps", str(args.steps), "--batch", str(args.batch),
-                   "--micro", str(args.micro), "--max-length", str(args.max_length), "--lr", str(args.lr)] + (["--bf16"] if args.bf16 else [])
-            memory = launch(cmd, env={"WANDB_MODE": "disabled"})
-            with open(out) as f:
-                results[system] = {**json.load(f), **memory}
+        # Repeats go round the systems in turn, so that a slow spell of the machine hits all of them alike.
+        # The matmul peak is measured again before each round and the best kept: a slow spell only lowers it.
+        runs, peak = {system: [] for system in args.systems}, 0.0
+        for _ in range(args.repeats):
+            peak = max(peak, matmul_peak_flops(os.cpu_count() if not torch.cuda.is_available() else 1))
+            for system in args.systems:
+                runs[system].append(run_fsdptrain(args, every_step) if system == "fsdptrain" else run_hf_system(system, args))
+        results = {system: median_run(system_runs) for system, system_runs in runs.items()}
 
     total_tokens, loss_tokens = sum(s[0] for s in steps), sum(s[1] for s in steps)
     base = results.get("fsdptrain")
@@ -309,11 +332,13 @@ def main() -> None:
     memory_keys = (["cuda_peak_gb"] if torch.cuda.is_available() else []) + ["rss_gb", "pss_gb", "max_proc_rss_gb"]
     print(f"{'system':<22} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
           + "".join(f"{key[:-3].replace('_', ' ') + ' GB':>16} {'x':>5} " for key in memory_keys)
-          + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11}")
+          + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11} {'loss tok/s of each run':>24}")
     rows = []
     for system, r in results.items():
         seconds = sum(r["step_times"])
-        row = {"system": system, "loss_tokens_per_s": loss_tokens / seconds, "tokens_per_s": total_tokens / seconds,
+        every_run = [loss_tokens / s for s in r["run_seconds"]]
+        row = {"system": system, "loss_tokens_per_s": loss_tokens / seconds, "loss_tokens_per_s_every_run": every_run,
+               "tokens_per_s": total_tokens / seconds,
                **{key: r[key] for key in memory_keys}, "mfu": flops / seconds / peak, "losses": r["losses"],
                "max_loss_diff_vs_fsdptrain": max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else None}
         rows.append(row)
@@ -322,10 +347,11 @@ def main() -> None:
         speed = row["loss_tokens_per_s"] * sum(base["step_times"]) / loss_tokens if base else nan
         print(f"{system:<22} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
               + "".join(f"{r[key]:>16.2f} {r[key] / base[key] if base else nan:>5.2f} " for key in memory_keys)
-              + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {diff:>11.4f}")
+              + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {diff:>11.4f} "
+              + f"{' '.join(f'{x:.0f}' for x in every_run):>24}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "steps": args.steps, "batch": args.batch, "device": device,
+            json.dump({"model": args.model, "steps": args.steps, "batch": args.batch, "repeats": args.repeats, "device": device,
                        "matmul_peak_flops": peak, "rows": rows}, f, indent=2)
 
 

@@ -3,11 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdptrain.data.batching import IGNORE_INDEX, collate_packed
 from fsdptrain.data.dataset import Sample
 from fsdptrain.models.attention import PACKED_ATTENTION
+from fsdptrain.models.loading import sparse_tied_embedding_grad
 from fsdptrain.models.loss import add_nll_forward, chunked_cross_entropy_sum, token_nll_sum
 
 
@@ -51,3 +52,23 @@ def test_model_loss_and_parameter_gradients_match(tiny_qwen2, kind):
     assert (float(losses[0]) == 0.0) == (kind == "none")
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_sparse_tied_embedding_gradient_equals_the_dense_one(tiny_qwen2):
+    models = [AutoModelForCausalLM.from_pretrained(tiny_qwen2, attn_implementation=PACKED_ATTENTION, dtype=torch.float32) for _ in range(2)]
+    assert sparse_tied_embedding_grad(models[1])
+    g = torch.Generator().manual_seed(2)
+    batch = collate_packed([Sample(torch.randint(3, 1000, (n,), generator=g), _mask(n, "assistant")) for n in (13, 40)])
+    for model in models:
+        add_nll_forward(model, chunk_tokens=10)
+        token_nll_sum(model, batch).backward()
+    [a, b] = [m.get_input_embeddings().weight.grad for m in models]
+    assert not b.is_sparse  # the output layer's dense part absorbs the sparse rows: FSDP reduces a dense gradient
+    torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+
+
+def test_untied_embedding_keeps_a_dense_gradient(tiny_qwen2):
+    config = AutoConfig.from_pretrained(tiny_qwen2)
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config)
+    assert not sparse_tied_embedding_grad(model) and not model.get_input_embeddings().sparse

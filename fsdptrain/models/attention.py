@@ -47,14 +47,15 @@ def attend_packed(
             query, key, value, cu_seqlens, cu_seqlens, max_len, max_len,
             dropout_p=dropout, softmax_scale=scaling, causal=True,
         )
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    bounds = cu_seqlens.tolist()
-    outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
-        outputs.append(out.transpose(0, 1))
+    # split (not slicing) keeps the backward to one concatenation; 4-D inputs with enable_gqa reach SDPA's fused
+    # CPU kernel without repeating the KV heads (3-D inputs fall back to the unfused math path).
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    outputs = [
+        F.scaled_dot_product_attention(
+            *(t.transpose(0, 1)[None] for t in (q, k, v)), dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True
+        )[0].transpose(0, 1)
+        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths))
+    ]
     return torch.cat(outputs)
 
 

@@ -57,6 +57,21 @@ def attention_implementation(config: ModelConfig, packed: bool) -> str:
     return "sdpa" if config.attn_implementation == "auto" else config.attn_implementation
 
 
+def sparse_tied_embedding_grad(model: nn.Module) -> bool:
+    """Where the input embedding shares its weight with the output layer, let it give its gradient as sparse rows.
+
+    The tied weight's gradient is the output layer's dense one plus the embedding's rows; as sparse rows, the
+    latter needs no (vocab x hidden) zero-filled buffer per backward, which on CPU is a fresh, page-faulting pass.
+    Untied, the embedding's gradient would stay sparse, which FSDP cannot reduce: it is left alone. Returns
+    whether the embedding was changed.
+    """
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = isinstance(embedding, nn.Embedding) and output is not None and embedding.weight is output.weight
+    if tied:
+        embedding.sparse = True
+    return tied
+
+
 def build_model(config: ModelConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool) -> nn.Module:
     """The sharded model, with the pretrained weights, on `parallel.device` (or CPU with offload)."""
     dtype = DTYPES[config.fsdp_config.model_dtype]
@@ -73,6 +88,8 @@ def build_model(config: ModelConfig, hf_config: PretrainedConfig, parallel: Para
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if parallel.device.type == "cpu":
+        sparse_tied_embedding_grad(model)
     apply_fsdp(model, parallel.fsdp_mesh, config.fsdp_config, parallel.device)
     add_nll_forward(model, config.chunked_loss_tokens)
     model.to_empty(device="cpu" if config.fsdp_config.cpu_offload else parallel.device)

@@ -11,7 +11,10 @@ from fsdptrain.config.schema import OptimConfig
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    # The fused kernel (CPU and CUDA) updates each parameter in one pass instead of a dozen elementwise ops.
+    return torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay, fused=True
+    )
 
 
 def warmup_steps(config: OptimConfig, total_steps: int) -> int:
