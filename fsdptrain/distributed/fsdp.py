@@ -20,6 +20,13 @@ def decoder_layers(model: nn.Module) -> list:
     return layers
 
 
+def embeddings_tied(model: nn.Module) -> bool:
+    """Whether the input embedding and the output layer share one weight (as the built model has it, whatever the
+    config says)."""
+    output = model.get_output_embeddings()
+    return output is not None and model.get_input_embeddings().weight is output.weight
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: torch.device) -> None:
     param_dtype = config.mixed_precision.param_dtype or ("bf16" if device.type == "cuda" else "fp32")
     kwargs = {
@@ -36,6 +43,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: t
     # An untied embedding in its own group is gathered only around its forward and backward, not held through
     # the whole step with the root. The output layer stays in the root: the chunked loss reads its weight
     # inside the root's gathered region without calling it as a module.
-    if not model.config.tie_word_embeddings:
+    if not embeddings_tied(model):
         fully_shard(model.get_input_embeddings(), **kwargs)
     fully_shard(model, **kwargs)

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from fsdptrain.config.schema import ConfigError, ModelConfig
-from fsdptrain.distributed.fsdp import DTYPES, apply_fsdp
+from fsdptrain.distributed.fsdp import DTYPES, apply_fsdp, embeddings_tied
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.loss import add_nll_forward
@@ -57,19 +57,16 @@ def attention_implementation(config: ModelConfig, packed: bool) -> str:
     return "sdpa" if config.attn_implementation == "auto" else config.attn_implementation
 
 
-def sparse_tied_embedding_grad(model: nn.Module) -> bool:
+def sparse_tied_embedding_grad(model: nn.Module) -> None:
     """Where the input embedding shares its weight with the output layer, let it give its gradient as sparse rows.
 
     The tied weight's gradient is the output layer's dense one plus the embedding's rows; as sparse rows, the
     latter needs no (vocab x hidden) zero-filled buffer per backward, which on CPU is a fresh, page-faulting pass.
-    Untied, the embedding's gradient would stay sparse, which FSDP cannot reduce: it is left alone. Returns
-    whether the embedding was changed.
+    Untied, the embedding's gradient would stay sparse, which FSDP cannot reduce: it is left alone.
     """
-    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = isinstance(embedding, nn.Embedding) and output is not None and embedding.weight is output.weight
-    if tied:
+    embedding = model.get_input_embeddings()
+    if isinstance(embedding, nn.Embedding) and embeddings_tied(model):
         embedding.sparse = True
-    return tied
 
 
 def build_model(config: ModelConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool) -> nn.Module:
