@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from fsdptrain.config.schema import FSDPConfig
+from fsdptrain.distributed.gloo_reduce_scatter import use_reused_buffer_reduce_scatter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -46,3 +47,5 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: t
     if not embeddings_tied(model):
         fully_shard(model.get_input_embeddings(), **kwargs)
     fully_shard(model, **kwargs)
+    if device.type == "cpu":
+        use_reused_buffer_reduce_scatter(model)
