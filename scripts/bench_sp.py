@@ -62,7 +62,7 @@ def worker(args) -> None:
     saved = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_leaf and t.requires_grad):  # parameters are leaves; activations are not
+        if not isinstance(t, torch.nn.Parameter):
             storage = t.untyped_storage()
             saved[storage.data_ptr()] = storage.nbytes()
         return t

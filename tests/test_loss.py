@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fsdptrain.data.batching import IGNORE_INDEX, collate_packed
 from fsdptrain.data.dataset import Sample
 from fsdptrain.models.attention import PACKED_ATTENTION
-from fsdptrain.models.loading import sparse_tied_embedding_grad
+from fsdptrain.models.loading import tied_embedding_grad_in_place
 from fsdptrain.models.loss import add_nll_forward, chunked_cross_entropy_sum, token_nll_sum
 
 
@@ -54,23 +54,34 @@ def test_model_loss_and_parameter_gradients_match(tiny_qwen2, kind):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_sparse_tied_embedding_gradient_equals_the_dense_one(tiny_qwen2):
+def test_tied_embedding_adds_its_rows_in_place_equal_to_autograd(tiny_qwen2):
+    """The rows added in place give autograd's gradient: over two backwards (accumulated), with the padding id
+    (whose row gets no gradient) in the batch; under no_grad the lookup is a plain one."""
     models = [AutoModelForCausalLM.from_pretrained(tiny_qwen2, attn_implementation=PACKED_ATTENTION, dtype=torch.float32) for _ in range(2)]
-    sparse_tied_embedding_grad(models[1])
-    assert models[1].get_input_embeddings().sparse
+    tied_embedding_grad_in_place(models[1])
+    padding_id = models[0].get_input_embeddings().padding_idx
+    assert padding_id is not None
     g = torch.Generator().manual_seed(2)
-    batch = collate_packed([Sample(torch.randint(3, 1000, (n,), generator=g), _mask(n, "assistant")) for n in (13, 40)])
+    samples = []
+    for n in (13, 40):
+        tokens = torch.randint(3, 1000, (n,), generator=g)
+        tokens[::4] = padding_id
+        samples.append(Sample(tokens, _mask(n, "assistant")))
+    batch = collate_packed(samples)
     for model in models:
         add_nll_forward(model, chunk_tokens=10)
-        token_nll_sum(model, batch).backward()
-    [a, b] = [m.get_input_embeddings().weight.grad for m in models]
-    assert not b.is_sparse  # the output layer's dense part absorbs the sparse rows: FSDP reduces a dense gradient
-    torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+        for _ in range(2):
+            token_nll_sum(model, batch).backward()
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert models[1].get_input_embeddings().weight.grad[padding_id].abs().sum() > 0  # the output layer's part
+    with torch.no_grad():
+        assert not models[1].get_input_embeddings()(batch["input_ids"]).requires_grad
 
 
-def test_untied_embedding_keeps_a_dense_gradient(tiny_qwen2):
+def test_untied_embedding_is_left_alone(tiny_qwen2):
     config = AutoConfig.from_pretrained(tiny_qwen2)
     config.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(config)
-    sparse_tied_embedding_grad(model)
-    assert not model.get_input_embeddings().sparse
+    tied_embedding_grad_in_place(model)
+    assert "forward" not in vars(model.get_input_embeddings())

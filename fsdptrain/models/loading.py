@@ -7,8 +7,11 @@ materializing a meta model leaves them uninitialized.
 """
 
 import os
+from functools import partial
+from types import MethodType
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -57,16 +60,39 @@ def attention_implementation(config: ModelConfig, packed: bool) -> str:
     return "sdpa" if config.attn_implementation == "auto" else config.attn_implementation
 
 
-def sparse_tied_embedding_grad(model: nn.Module) -> None:
-    """Where the input embedding shares its weight with the output layer, let it give its gradient as sparse rows.
+def _add_rows_to_weight_grad(embedding: nn.Embedding, weight: nn.Parameter, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
+    ids = input_ids.flatten()
+    rows = grad.reshape(ids.numel(), -1)
+    if embedding.padding_idx is not None:
+        kept = ids != embedding.padding_idx
+        ids, rows = ids[kept], rows[kept]
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    weight.grad.index_add_(0, ids, rows)
 
-    The tied weight's gradient is the output layer's dense one plus the embedding's rows; as sparse rows, the
-    latter needs no (vocab x hidden) zero-filled buffer per backward, which on CPU is a fresh, page-faulting pass.
-    Untied, the embedding's gradient would stay sparse, which FSDP cannot reduce: it is left alone.
+
+def _embed_rows_into_weight_grad(embedding: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    weight = embedding.weight
+    hidden = F.embedding(input_ids, weight.detach(), embedding.padding_idx)
+    if torch.is_grad_enabled() and weight.requires_grad:
+        hidden.requires_grad_()
+        hidden.register_hook(partial(_add_rows_to_weight_grad, embedding, weight, input_ids))
+    return hidden
+
+
+def tied_embedding_grad_in_place(model: nn.Module) -> None:
+    """Where the input embedding shares its weight with the output layer, let it add its gradient rows into the
+    weight's gradient in place.
+
+    The tied weight's gradient is the output layer's dense one plus the embedding's rows. Through autograd, the
+    rows come as a (vocab x hidden) dense buffer (zero-filled) or, as sparse rows, are summed out of place: either
+    way a fresh full-size buffer per backward, which on CPU is a page-faulting pass. Here the lookup reads a
+    detached weight and a hook on its output adds the rows into `weight.grad` (the output layer's gradient is
+    already there: autograd runs a leaf's accumulation as soon as it is ready, and adds into it in any order).
     """
     embedding = model.get_input_embeddings()
-    if isinstance(embedding, nn.Embedding) and embeddings_tied(model):
-        embedding.sparse = True
+    if type(embedding) is nn.Embedding and embedding.max_norm is None and not embedding.scale_grad_by_freq and embeddings_tied(model):
+        embedding.forward = MethodType(_embed_rows_into_weight_grad, embedding)
 
 
 def build_model(config: ModelConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool) -> nn.Module:
@@ -86,7 +112,7 @@ def build_model(config: ModelConfig, hf_config: PretrainedConfig, parallel: Para
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if parallel.device.type == "cpu":
-        sparse_tied_embedding_grad(model)
+        tied_embedding_grad_in_place(model)
     apply_fsdp(model, parallel.fsdp_mesh, config.fsdp_config, parallel.device)
     add_nll_forward(model, config.chunked_loss_tokens)
     model.to_empty(device="cpu" if config.fsdp_config.cpu_offload else parallel.device)
