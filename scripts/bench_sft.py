@@ -225,11 +225,15 @@ def run_hf_system(system: str, args) -> dict:
         return {**json.load(f), **memory}
 
 
+# Memory columns in table order; the CUDA one is shown only where there is a GPU.
+MEMORY_KEYS = ("cuda_peak_gb", "rss_gb", "pss_gb", "max_proc_rss_gb")
+
+
 def median_run(runs: list) -> dict:
     """The run of median total step time, with every run's time and the largest memory peaks of all runs."""
     ordered = sorted(runs, key=lambda r: sum(r["step_times"]))
     median = dict(ordered[len(ordered) // 2])  # of an even count, the slower middle run
-    for key in ("rss_gb", "pss_gb", "max_proc_rss_gb", "cuda_peak_gb"):
+    for key in MEMORY_KEYS:
         peaks = [r[key] for r in runs if r.get(key) is not None]
         median[key] = max(peaks) if peaks else None
     median["run_seconds"] = [sum(r["step_times"]) for r in runs]
@@ -329,7 +333,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     print(f"\nSFT, {args.model} ({n_params / 1e6:.1f}M params), {args.steps} steps of {args.batch} chats, device {device}, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s")
-    memory_keys = (["cuda_peak_gb"] if torch.cuda.is_available() else []) + ["rss_gb", "pss_gb", "max_proc_rss_gb"]
+    memory_keys = [key for key in MEMORY_KEYS if key != "cuda_peak_gb" or torch.cuda.is_available()]
     print(f"{'system':<22} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
           + "".join(f"{key[:-3].replace('_', ' ') + ' GB':>16} {'x':>5} " for key in memory_keys)
           + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11} {'loss tok/s of each run':>24}")
