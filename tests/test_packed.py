@@ -69,6 +69,24 @@ def test_sequences_do_not_see_each_other(tiny_llama):
     torch.testing.assert_close(first, second, atol=1e-6, rtol=0)
 
 
+def test_host_sequence_boundaries_reach_the_attention(tiny_llama):
+    """Boundaries given as transformers' cu_seq_lens_q / max_length_q (as the trainer passes them) keep the
+    sequences apart by themselves: with position_ids that do not restart, the logits still equal packing's."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=PACKED_ATTENTION, dtype=torch.float32)
+    batch = collate_packed(samples([12, 9, 30], model.config.vocab_size))
+    cu_seqlens = cu_seqlens_from_position_ids(batch["position_ids"])
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        given = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seq_lens_q=cu_seqlens, max_length_q=30).logits
+        # Continuous positions change the rotary embedding of later sequences, so compare the first alone there.
+        unrestarted = model(input_ids=batch["input_ids"], position_ids=torch.arange(51)[None], cu_seq_lens_q=cu_seqlens,
+                            max_length_q=30).logits
+        whole_row = model(input_ids=batch["input_ids"], position_ids=torch.arange(51)[None]).logits
+    torch.testing.assert_close(given, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(unrestarted[0, :12], expected[0, :12], atol=1e-6, rtol=0)
+    assert not torch.allclose(unrestarted[0, 12:], whole_row[0, 12:], atol=1e-3)  # boundaries, not one long sequence
+
+
 def test_fallback_attention_equals_masked_reference():
     """The CPU path of the varlen attention equals one SDPA call with a block-diagonal causal mask (GQA 8:2)."""
     torch.manual_seed(0)

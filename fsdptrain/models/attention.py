@@ -1,12 +1,16 @@
 """Attention over packed rows: sequences concatenated in one row never attend across their boundaries.
 
 Registered in transformers' AttentionInterface, so every model family that dispatches through it works
-unchanged. Boundaries come from `position_ids`, which restart at 0 at each sequence start.
-On CUDA with flash-attn installed it calls the varlen kernel; elsewhere it runs SDPA per sequence.
+unchanged. Boundaries come from transformers' flash-attention kwargs `cu_seq_lens_q` / `max_length_q` where the
+caller computed them on the host (the trainer does, once per micro-batch: derived on the GPU in every layer they
+would cost two device syncs a layer), else from `position_ids`, which restart at 0 at each sequence start.
+On CUDA in bf16/fp16 it calls a varlen flash kernel (flash-attn's where installed, else torch's own from torch
+2.10); elsewhere it runs SDPA per sequence, which on a GPU costs a kernel launch per sequence and layer.
 With Ulysses sequence parallelism the model is called with `sp_group=...`, which transformers passes down
 to here: the row is then sharded along the sequence and attention runs on a share of the heads instead.
 """
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -20,6 +24,12 @@ try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # optional GPU extra
     flash_attn_varlen_func = None
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10
+    varlen_attn = None
+# varlen_attn is young: torch 2.10 takes is_causal, later releases window_size; enable_gqa and scale came later still.
+VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 PACKED_ATTENTION = "fsdptrain_packed"
 
@@ -39,14 +49,19 @@ def attend_packed(
     cu_seqlens: torch.Tensor,
     scaling: Optional[float],
     dropout: float = 0.0,
+    max_len: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
-    if flash_attn_varlen_func is not None and query.is_cuda:
+    half = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+    if max_len is None:
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if flash_attn_varlen_func is not None and half:
         return flash_attn_varlen_func(
             query, key, value, cu_seqlens, cu_seqlens, max_len, max_len,
             dropout_p=dropout, softmax_scale=scaling, causal=True,
         )
+    if varlen_attn is not None and half and dropout == 0.0 and (scaling is None or "scale" in VARLEN_PARAMS):
+        return torch_varlen_causal(query, key, value, cu_seqlens, max_len, scaling)
     # split (not slicing) keeps the backward to one concatenation; 4-D inputs with enable_gqa reach SDPA's fused
     # CPU kernel without repeating the KV heads (3-D inputs fall back to the unfused math path).
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -59,6 +74,21 @@ def attend_packed(
     return torch.cat(outputs)
 
 
+def torch_varlen_causal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scaling: Optional[float]
+) -> torch.Tensor:
+    """torch's varlen flash kernel (CUDA, bf16/fp16), whichever of its signatures this torch has."""
+    kwargs = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMS else {"is_causal": True}
+    if scaling is not None:
+        kwargs["scale"] = scaling
+    if "enable_gqa" in VARLEN_PARAMS:
+        kwargs["enable_gqa"] = True
+    elif key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -69,20 +99,26 @@ def packed_attention_forward(
     dropout: float = 0.0,
     position_ids: Optional[torch.Tensor] = None,
     sp_group: Optional[ProcessGroup] = None,
+    cu_seq_lens_q: Optional[torch.Tensor] = None,
+    max_length_q: Optional[int] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
-    """transformers' attention signature: q (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None)."""
-    if query.shape[0] != 1 or position_ids is None:
-        raise ValueError("packed attention expects one packed row (batch size 1) and its position_ids")
+    """transformers' attention signature: q (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None).
+
+    With `sp_group`, `cu_seq_lens_q` describes the whole row, not this rank's slice of it."""
+    if query.shape[0] != 1 or (position_ids is None and cu_seq_lens_q is None):
+        raise ValueError("packed attention expects one packed row (batch size 1) and its position_ids or cu_seq_lens_q")
+    if cu_seq_lens_q is None:
+        whole_row = position_ids if sp_group is None else gather_sequence(position_ids, sp_group)
+        cu_seq_lens_q = cu_seqlens_from_position_ids(whole_row)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if sp_group is None:
-        return attend_packed(q, k, v, cu_seqlens_from_position_ids(position_ids), scaling, dropout)[None], None
+        return attend_packed(q, k, v, cu_seq_lens_q, scaling, dropout, max_length_q)[None], None
     if k.shape[1] % get_world_size(sp_group):  # too few KV heads to split: one per query head
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    cu_seqlens = cu_seqlens_from_position_ids(gather_sequence(position_ids, sp_group))
     q, k, v = (seq_to_heads(t, sp_group) for t in (q, k, v))
-    return heads_to_seq(attend_packed(q, k, v, cu_seqlens, scaling, dropout), sp_group)[None], None
+    return heads_to_seq(attend_packed(q, k, v, cu_seq_lens_q, scaling, dropout, max_length_q), sp_group)[None], None
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)

@@ -4,7 +4,7 @@ import logging
 import random
 import resource
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from fsdptrain.data.batching import collate_packed, collate_padded, min_token_mi
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.ulysses import shard_sequence
+from fsdptrain.models.attention import cu_seqlens_from_position_ids
 
 
 def seed_everything(seed: int) -> None:
@@ -51,15 +52,20 @@ def plan_micro_batches(samples: Sequence[Sample], data: DataConfig, parallel: Pa
     return local + [None] * (int(count) - len(local))
 
 
-def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel) -> Dict[str, torch.Tensor]:
+def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel) -> Dict[str, Any]:
     """The model inputs of a micro-batch on this rank's device: with sequence parallelism, its slice of the row."""
-    if packed:
-        batch = collate_packed(micro_batch, pad_to_multiple=parallel.sp_size)
-        if parallel.sp_size > 1:
-            batch = shard_sequence(batch, parallel.sp_rank, parallel.sp_size)
-    else:
+    if not packed:
         batch = collate_padded(micro_batch, pad_token_id)
-    return {k: v.to(parallel.device, non_blocking=True) for k, v in batch.items()}
+        return {k: v.to(parallel.device, non_blocking=True) for k, v in batch.items()}
+    batch = collate_packed(micro_batch, pad_to_multiple=parallel.sp_size)
+    cu_seqlens = cu_seqlens_from_position_ids(batch["position_ids"])  # of the whole row, before sharding
+    if parallel.sp_size > 1:
+        batch = shard_sequence(batch, parallel.sp_rank, parallel.sp_size)
+    batch = {k: v.to(parallel.device, non_blocking=True) for k, v in batch.items()}
+    # Sequence boundaries for the packed attention, found here on the host rather than in every layer on the device.
+    batch["cu_seq_lens_q"] = cu_seqlens.to(parallel.device, non_blocking=True)
+    batch["max_length_q"] = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return batch
 
 
 def loss_tokens(micro_batch: Optional[Sequence[Sample]]) -> int:

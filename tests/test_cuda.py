@@ -1,0 +1,116 @@
+"""The GPU paths (CUDA, nccl, bf16, varlen flash attention, CPU offload) against their CPU references.
+
+Skipped where there is no GPU (CI); run on a GPU machine with `python -m pytest tests/test_cuda.py`.
+"""
+
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import losses, read_metrics, run_sft
+from fsdptrain.models import attention
+from fsdptrain.models.loss import chunked_cross_entropy_sum
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+LENGTHS = [1, 37, 300, 5, 128, 64]
+
+
+def reference_attention(q, k, v, lengths):
+    """fp32 CPU attention of each sequence alone, KV heads repeated for GQA."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = [F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (a, b, c)), is_causal=True).transpose(0, 1)
+           for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_attention_on_cuda_matches_fp32_reference(dtype):
+    """bf16 takes a varlen flash kernel (where torch or flash-attn has one), fp32 per-sequence SDPA; both keep
+    the sequences apart, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    total = sum(LENGTHS)
+    q, k, v = (torch.randn(total, heads, 64, generator=g) for heads in (8, 2, 2))
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    grad_out = torch.randn(total, 8, 64, generator=g)
+
+    cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*cpu, LENGTHS)
+    expected_grads = torch.autograd.grad(expected, cpu, grad_out)
+
+    cuda = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    out = attention.attend_packed(*cuda, cu_seqlens.cuda(), scaling=None)
+    grads = torch.autograd.grad(out, cuda, grad_out.to("cuda", dtype))
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float().cpu(), expected, **tol)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got.float().cpu(), want, **tol)
+
+
+def test_bf16_takes_a_varlen_kernel():
+    """On a torch with varlen_attn (2.10+), bf16 packed attention must not fall back to the per-sequence loop."""
+    if attention.varlen_attn is None and attention.flash_attn_varlen_func is None:
+        pytest.skip("this torch has no varlen kernel and flash-attn is not installed")
+    q, k, v = (torch.randn(sum(LENGTHS), h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attention.attend_packed(q, k, v, cu_seqlens, scaling=None)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" not in names, names
+
+
+def test_chunked_cross_entropy_on_cuda_matches_full_logits():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3000, 64, generator=g).cuda().requires_grad_()
+    weight = torch.randn(5000, 64, generator=g).cuda().requires_grad_()
+    labels = torch.randint(0, 5000, (3000,), generator=g).cuda()
+    labels[::4] = -100
+    full = F.cross_entropy(hidden @ weight.T, labels, ignore_index=-100, reduction="sum")
+    chunked = chunked_cross_entropy_sum(hidden, weight, labels, 1024)
+    torch.testing.assert_close(chunked, full, atol=1e-2, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(chunked, (hidden, weight)), torch.autograd.grad(full, (hidden, weight))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+CUDA_FP32 = dict(trainer__device="cuda", model__fsdp_config__mixed_precision__param_dtype="fp32", optim__lr_scheduler="constant")
+
+
+@pytest.fixture(scope="module")
+def cuda_fp32_run(tmp_path_factory, tiny_llama, chat_data):
+    out = str(tmp_path_factory.mktemp("cuda_fp32"))
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=4, **CUDA_FP32)
+    return out
+
+
+def test_cuda_nccl_run_matches_cpu_gloo(tmp_path, tiny_llama, chat_data, cuda_fp32_run):
+    """The same fp32 run on CUDA (nccl) and on CPU (gloo): the same losses up to kernel rounding."""
+    run_sft(1, tiny_llama, chat_data, str(tmp_path), trainer__total_training_steps=4,
+            **{**CUDA_FP32, "trainer__device": "cpu"})
+    assert losses(cuda_fp32_run) == pytest.approx(losses(str(tmp_path)), abs=1e-4)
+
+
+def test_cuda_offload_and_checkpointing_match(tmp_path, tiny_llama, chat_data, cuda_fp32_run):
+    run_sft(1, tiny_llama, chat_data, str(tmp_path), trainer__total_training_steps=4, model__fsdp_config__cpu_offload="true",
+            model__enable_gradient_checkpointing="true", **CUDA_FP32)
+    assert losses(str(tmp_path)) == pytest.approx(losses(cuda_fp32_run), abs=1e-5)
+
+
+def test_cuda_resume_matches_the_straight_run(tmp_path, tiny_llama, chat_data, cuda_fp32_run):
+    out = str(tmp_path / "run")
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2, trainer__save_freq=2, **CUDA_FP32)
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=4, **CUDA_FP32)
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert losses(out) == pytest.approx(losses(cuda_fp32_run), abs=1e-5)
+
+
+def test_bf16_run_learns_and_stays_near_fp32(tmp_path, tiny_llama, chat_data, cuda_fp32_run):
+    """bf16 mixed precision (the default) with packed varlen attention and gradient checkpointing."""
+    out = str(tmp_path)
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=4, trainer__device="cuda", optim__lr_scheduler="constant",
+            model__enable_gradient_checkpointing="true")
+    bf16, fp32 = losses(out), losses(cuda_fp32_run)
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+    assert bf16[-1] < bf16[0]
+    assert read_metrics(out)[-1]["perf/max_memory_gb"] > 0
