@@ -1,6 +1,6 @@
 """SFT throughput and memory: fsdptrain vs TRL's SFTTrainer vs transformers' Trainer, in one run.
 
-    python scripts/bench_sft.py [--model tiny|smollm2] [--steps 10] [--batch 16] [--micro 4] [--nproc 2] [--repeats 1] [--json out.json]
+    python scripts/bench_sft.py [--model tiny|smollm2|1b] [--steps 10] [--batch 16] [--micro 4] [--nproc 2] [--repeats 1] [--json out.json]
 
 Every system trains the same model from the same weights on the same token ids and loss targets (fsdptrain's
 chat-template tokenization, assistant tokens only), in the same order (no shuffling), with the same global
@@ -258,6 +258,14 @@ def matmul_peak_flops(threads: int) -> float:
     return 2 * n**3 / best
 
 
+# Random-weight Llamas with SmolLM2's tokenizer: a tiny one, and one of Llama-3.2-1B's shape (1.07B parameters with
+# this 49k vocabulary) for GPU MFU.
+RANDOM_MODELS = {
+    "tiny": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8),
+}
+
+
 def prepare(args) -> None:
     import demo_data
     import make_tiny
@@ -265,11 +273,12 @@ def prepare(args) -> None:
     os.makedirs(args.work, exist_ok=True)
     args.train = os.path.join(args.work, "train.parquet")
     demo_data.write_chat_parquet(args.train, args.batch * args.steps, seed=0)
-    if args.model == "tiny":
-        args.model_dir = os.path.join(args.work, "tiny")
+    if args.model in RANDOM_MODELS:
+        args.model_dir = os.path.join(args.work, args.model)
+        if os.path.isfile(os.path.join(args.model_dir, "config.json")):  # made by an earlier run into this --work
+            return
         tokenizer = make_tiny.smollm2_tokenizer()
-        make_tiny.tiny_model("llama", len(tokenizer), seed=0, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=4).save_pretrained(args.model_dir)
+        make_tiny.tiny_model("llama", len(tokenizer), seed=0, **RANDOM_MODELS[args.model]).save_pretrained(args.model_dir)
         tokenizer.save_pretrained(args.model_dir)
     else:
         args.model_dir = args.smollm2_dir or os.path.join(args.work, "smollm2")
@@ -279,7 +288,7 @@ def prepare(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--model", choices=[*RANDOM_MODELS, "smollm2"], default="tiny")
     parser.add_argument("--smollm2-dir", help="an existing SmolLM2 HF folder (default: converted into the work dir)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
@@ -316,7 +325,8 @@ def main() -> None:
         config = AutoConfig.from_pretrained(args.model_dir)
         every_step = step_tokens(tokenized(args.model_dir, args.train, args.max_length), args.batch, args.steps)
         steps = every_step[1:]  # the timed ones
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         matmul_params = n_params - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
         flops = sum(6 * matmul_params * t + 6 * config.num_hidden_layers * config.hidden_size * sq for t, _, sq in steps)
         # Repeats go round the systems in turn, so that a slow spell of the machine hits all of them alike.
