@@ -28,7 +28,8 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch < 2.10
     varlen_attn = None
-# varlen_attn is young: torch 2.10 takes is_causal, later releases window_size; enable_gqa and scale came later still.
+# varlen_attn's signature still moves: causality is is_causal in torch 2.10 and window_size after it; 2.11 has no
+# enable_gqa. The call below reads which keywords this torch has.
 VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 PACKED_ATTENTION = "fsdptrain_packed"
@@ -53,14 +54,15 @@ def attend_packed(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
     half = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
-    if max_len is None:
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if flash_attn_varlen_func is not None and half:
-        return flash_attn_varlen_func(
-            query, key, value, cu_seqlens, cu_seqlens, max_len, max_len,
-            dropout_p=dropout, softmax_scale=scaling, causal=True,
-        )
-    if varlen_attn is not None and half and dropout == 0.0 and (scaling is None or "scale" in VARLEN_PARAMS):
+    use_flash_attn = half and flash_attn_varlen_func is not None
+    use_torch_varlen = half and varlen_attn is not None and dropout == 0.0 and (scaling is None or "scale" in VARLEN_PARAMS)
+    if use_flash_attn or use_torch_varlen:
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_len is None else max_len
+        if use_flash_attn:
+            return flash_attn_varlen_func(
+                query, key, value, cu_seqlens, cu_seqlens, max_len, max_len,
+                dropout_p=dropout, softmax_scale=scaling, causal=True,
+            )
         return torch_varlen_causal(query, key, value, cu_seqlens, max_len, scaling)
     # split (not slicing) keeps the backward to one concatenation; 4-D inputs with enable_gqa reach SDPA's fused
     # CPU kernel without repeating the KV heads (3-D inputs fall back to the unfused math path).

@@ -149,3 +149,5 @@ def run_sft(config: SFTConfig) -> None:
     bar.close()
     logger.close()
     dist.barrier()
+    # Left to interpreter exit, gloo's threads can be torn down while still joinable: an abort after a finished run.
+    dist.destroy_process_group()
