@@ -1,5 +1,7 @@
 """Loss-token masks: exactly each assistant content plus its end-of-turn token, ids as the template gives."""
 
+import json
+
 import pytest
 
 from fsdptrain.data.chat import RowError, tokenize_conversation, tokenize_prompt_response
@@ -77,6 +79,21 @@ def test_tools_are_passed_to_the_template(tokenizer):
     ids, mask = tokenize_conversation(tok, CONVERSATIONS[3], tools)
     assert "TOOLS:" in tok.decode(ids) and "weather" in tok.decode(ids)
     assert [tok.decode(s) for s in loss_spans(ids, mask)] == ["Calling the tool.<|endoftext|>", "It is 21 degrees.\nLine two.<|endoftext|>"]
+
+
+def test_tools_as_a_json_string_equal_the_decoded_list(tokenizer):
+    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tok.chat_template = "{% if tools %}TOOLS: {% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}" + PLAIN_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    as_string = tokenize_conversation(tok, CONVERSATIONS[3], json.dumps(tools))
+    assert as_string == tokenize_conversation(tok, CONVERSATIONS[3], tools)
+    assert "TOOLS: weather;" in tok.decode(as_string[0])  # fields reached the template, not a string's characters
+
+
+@pytest.mark.parametrize("tools, problem", [("[{not json", "not valid JSON"), ('{"name": "x"}', "list of dicts"), ('["x"]', "list of dicts")])
+def test_bad_tools_are_named(tokenizer, tools, problem):
+    with pytest.raises(RowError, match=problem):
+        tokenize_conversation(tokenizer, CONVERSATIONS[3], tools)
 
 
 def test_single_turn_trains_on_response_and_eos(tokenizer):

@@ -42,6 +42,16 @@ def test_bad_row_names_file_row_and_problem(tmp_path, tokenizer, rows, bad_row, 
         load_sft_samples([write(tmp_path / "good.parquet", messages=[GOOD]), path], tokenizer, data_config())
 
 
+def test_tools_column_of_json_strings(tmp_path, tokenizer):
+    """A tools column of JSON strings is decoded per row; a row whose JSON is broken is named."""
+    tools = '[{"type": "function", "function": {"name": "weather", "parameters": {}}}]'
+    good = write(tmp_path / "tools.parquet", messages=[GOOD, GOOD], tools=[tools, None])
+    assert len(load_sft_samples([good], tokenizer, data_config())) == 2
+    bad = write(tmp_path / "bad.parquet", messages=[GOOD, GOOD], tools=[tools, tools[:-1]])
+    with pytest.raises(DataError, match=r"bad\.parquet row 1: tools is a string but not valid JSON"):
+        load_sft_samples([bad], tokenizer, data_config())
+
+
 def test_missing_column_and_missing_file(tmp_path, tokenizer):
     path = write(tmp_path / "other.parquet", conversation=[GOOD])
     with pytest.raises(DataError, match=r"other\.parquet: missing column\(s\) \['messages'\]"):

@@ -6,6 +6,7 @@ an assistant message is the template rendered up to it with the generation promp
 where that prefix ends.
 """
 
+import json
 from typing import Any, List, Optional, Sequence, Tuple
 
 from transformers import PreTrainedTokenizerBase
@@ -39,6 +40,21 @@ def check_messages(messages: Any) -> None:
         raise RowError("conversation has no assistant message")
 
 
+def parse_tools(tools: Any) -> Optional[list]:
+    """A row's tool schemas as the chat template wants them: a list of dicts. Parquet files often hold them as a
+    JSON string (one schema per row varies too much for a struct column), which is decoded here."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise RowError(f"tools is a string but not valid JSON: {e}") from None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(tool, dict) for tool in tools):
+        raise RowError(f"tools must be a list of dicts (or its JSON), got {type(tools).__name__}")
+    return list(tools)
+
+
 def _content_span(full_text: str, prefix: str, content: str, index: int) -> Tuple[int, int]:
     if not full_text.startswith(prefix):
         raise RowError(
@@ -53,10 +69,12 @@ def _content_span(full_text: str, prefix: str, content: str, index: int) -> Tupl
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], tools: Optional[list] = None
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], tools: Any = None
 ) -> Tuple[List[int], List[int]]:
-    """Token ids of the templated conversation and a 0/1 loss mask over them."""
+    """Token ids of the templated conversation and a 0/1 loss mask over them. `tools`: a list of tool schemas
+    (dicts) or its JSON string."""
     check_messages(messages)
+    tools = parse_tools(tools)
     full_text = _render(tokenizer, messages, tools, generation_prompt=False)
     encoding = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
