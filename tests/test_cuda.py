@@ -3,7 +3,6 @@
 Skipped where there is no GPU (CI); run on a GPU machine with `python -m pytest tests/test_cuda.py`.
 """
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from fsdptrain.models.loss import chunked_cross_entropy_sum
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 LENGTHS = [1, 37, 300, 5, 128, 64]
+CU_SEQLENS = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def reference_attention(q, k, v, lengths):
@@ -33,7 +33,6 @@ def test_packed_attention_on_cuda_matches_fp32_reference(dtype):
     g = torch.Generator().manual_seed(0)
     total = sum(LENGTHS)
     q, k, v = (torch.randn(total, heads, 64, generator=g) for heads in (8, 2, 2))
-    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     grad_out = torch.randn(total, 8, 64, generator=g)
 
     cpu = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -41,7 +40,7 @@ def test_packed_attention_on_cuda_matches_fp32_reference(dtype):
     expected_grads = torch.autograd.grad(expected, cpu, grad_out)
 
     cuda = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
-    out = attention.attend_packed(*cuda, cu_seqlens.cuda(), scaling=None)
+    out = attention.attend_packed(*cuda, CU_SEQLENS.cuda(), scaling=None)
     grads = torch.autograd.grad(out, cuda, grad_out.to("cuda", dtype))
     tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float().cpu(), expected, **tol)
@@ -54,9 +53,8 @@ def test_bf16_takes_a_varlen_kernel():
     if attention.varlen_attn is None and attention.flash_attn_varlen_func is None:
         pytest.skip("this torch has no varlen kernel and flash-attn is not installed")
     q, k, v = (torch.randn(sum(LENGTHS), h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
-    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        attention.attend_packed(q, k, v, cu_seqlens, scaling=None)
+        attention.attend_packed(q, k, v, CU_SEQLENS.cuda(), scaling=None)
     names = {e.key for e in prof.key_averages()}
     assert "aten::scaled_dot_product_attention" not in names, names
 

@@ -43,6 +43,17 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, total]).to(torch.int32)
 
 
+def max_seqlen(cu_seqlens: torch.Tensor) -> int:
+    """The longest sequence of a packed row, from its cumulative starts (a device sync when they are on a GPU)."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def repeat_kv_heads(key: torch.Tensor, value: torch.Tensor, query_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(T, Hkv, D) keys and values with each head repeated to one per query head, for kernels without GQA."""
+    groups = query_heads // key.shape[1]
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+
 def attend_packed(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -57,7 +68,7 @@ def attend_packed(
     use_flash_attn = half and flash_attn_varlen_func is not None
     use_torch_varlen = half and varlen_attn is not None and dropout == 0.0 and (scaling is None or "scale" in VARLEN_PARAMS)
     if use_flash_attn or use_torch_varlen:
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_len is None else max_len
+        max_len = max_seqlen(cu_seqlens) if max_len is None else max_len
         if use_flash_attn:
             return flash_attn_varlen_func(
                 query, key, value, cu_seqlens, cu_seqlens, max_len, max_len,
@@ -86,8 +97,7 @@ def torch_varlen_causal(
     if "enable_gqa" in VARLEN_PARAMS:
         kwargs["enable_gqa"] = True
     elif key.shape[1] != query.shape[1]:
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        key, value = repeat_kv_heads(key, value, query.shape[1])
     return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
@@ -117,8 +127,7 @@ def packed_attention_forward(
     if sp_group is None:
         return attend_packed(q, k, v, cu_seq_lens_q, scaling, dropout, max_length_q)[None], None
     if k.shape[1] % get_world_size(sp_group):  # too few KV heads to split: one per query head
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        k, v = repeat_kv_heads(k, v, q.shape[1])
     q, k, v = (seq_to_heads(t, sp_group) for t in (q, k, v))
     return heads_to_seq(attend_packed(q, k, v, cu_seq_lens_q, scaling, dropout, max_length_q), sp_group)[None], None
 

@@ -16,7 +16,7 @@ from fsdptrain.data.batching import collate_packed, collate_padded, min_token_mi
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.ulysses import shard_sequence
-from fsdptrain.models.attention import cu_seqlens_from_position_ids
+from fsdptrain.models.attention import cu_seqlens_from_position_ids, max_seqlen
 
 
 def seed_everything(seed: int) -> None:
@@ -64,7 +64,7 @@ def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, para
     batch = {k: v.to(parallel.device, non_blocking=True) for k, v in batch.items()}
     # Sequence boundaries for the packed attention, found here on the host rather than in every layer on the device.
     batch["cu_seq_lens_q"] = cu_seqlens.to(parallel.device, non_blocking=True)
-    batch["max_length_q"] = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    batch["max_length_q"] = max_seqlen(cu_seqlens)
     return batch
 
 
