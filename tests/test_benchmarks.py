@@ -34,6 +34,6 @@ def test_bench_sft_runs_fsdptrain_and_measures_its_processes(tmp_path):
     assert len(row["losses"]) == 2 and row["loss_tokens_per_s"] > 0
     every_run = row["loss_tokens_per_s_every_run"]
     assert len(every_run) == 2 and row["loss_tokens_per_s"] in every_run  # of two runs, the slower is the median
-    # Two ranks and the launcher each hold torch (hundreds of MB); PSS counts their shared libraries once.
-    assert 0.5 < row["pss_gb"] < row["rss_gb"]
+    # Two ranks and the launcher each hold torch (hundreds of MB); "shared once" counts their shared libraries once.
+    assert 0.5 < row["shared_once_gb"] < row["rss_gb"]
     assert 0.2 < row["max_proc_rss_gb"] < row["rss_gb"]  # one rank, not the sum
