@@ -358,6 +358,7 @@ def main() -> None:
         row = {"system": system, "loss_tokens_per_s": loss_tokens / seconds, "loss_tokens_per_s_every_run": every_run,
                "tokens_per_s": total_tokens / seconds,
                **{key: r[key] for key in memory_keys}, "mfu": flops / seconds / peak, "losses": r["losses"],
+               "step_seconds": r["step_times"],
                "max_loss_diff_vs_fsdptrain": max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else None}
         rows.append(row)
         nan = float("nan")  # ratios and loss differences need fsdptrain among the systems

@@ -31,6 +31,14 @@ def test_long_samples_spread_over_ranks_even_when_counts_bind():
     assert sorted(sum(len(s) for s in share) for share in shares) == [820, 920]
 
 
+def test_swaps_even_out_what_the_count_limit_leaves():
+    # A step of the benchmark's chat data: longest-first under the count limit alone split it 747 / 805.
+    lengths = [46, 46, 47, 47, 56, 56, 58, 59, 59, 85, 91, 94, 96, 232, 234, 246]
+    groups = balanced_partition(lengths, 2, equal_count=True)
+    assert [len(g) for g in groups] == [8, 8]
+    assert [sum(lengths[i] for i in g) for g in groups] == [776, 776]
+
+
 def test_token_budget_partition():
     lengths = [500, 400, 300, 200, 100, 100]
     assert min_token_micro_batches(lengths, 600) == 3

@@ -33,8 +33,12 @@ def split_by_count(samples: Sequence[Sample], micro_batch_size: int) -> List[Lis
 
 
 def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = False) -> List[List[int]]:
-    """Indices split into `parts` groups of near-equal token sums (longest first onto the lightest group);
-    with `equal_count`, onto the lightest group that has fewer than len(lengths) // parts."""
+    """Indices split into `parts` groups of near-equal token sums; with `equal_count`, len(lengths) // parts each.
+
+    Longest first onto the lightest group (that still has room), then swaps of one sample of the heaviest group
+    for a shorter one of another while that lowers the larger of the two loads: the count limit alone can leave
+    ranks 5-8% apart on chat data, and every collective makes the lighter ranks wait for the heaviest.
+    """
     capacity = len(lengths) // parts if equal_count else len(lengths)
     loads = [0] * parts
     groups: List[List[int]] = [[] for _ in range(parts)]
@@ -42,6 +46,22 @@ def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = F
         part = min((p for p in range(parts) if len(groups[p]) < capacity), key=lambda p: (loads[p], p))
         groups[part].append(index)
         loads[part] += lengths[index]
+    # A swap moving d tokens across a gap with 0 < d < gap lowers the sum of squared loads, so this ends.
+    while True:
+        heavy = max(range(parts), key=lambda p: (loads[p], -p))
+        swaps = [
+            (max(loads[heavy] - d, loads[other] + d), a, other, b)
+            for other in range(parts)
+            for a in groups[heavy]
+            for b in groups[other]
+            if 0 < (d := lengths[a] - lengths[b]) < loads[heavy] - loads[other]
+        ]
+        if not swaps:
+            break
+        _, a, other, b = min(swaps)
+        groups[heavy][groups[heavy].index(a)], groups[other][groups[other].index(b)] = b, a
+        loads[heavy] -= lengths[a] - lengths[b]
+        loads[other] += lengths[a] - lengths[b]
     return [sorted(g) for g in groups]
 
 

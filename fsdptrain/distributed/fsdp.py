@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from fsdptrain.config.schema import FSDPConfig
-from fsdptrain.distributed.gloo_reduce_scatter import use_reused_buffer_reduce_scatter
+from fsdptrain.distributed.gloo_comms import use_gloo_comms
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,4 +48,4 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: t
         fully_shard(model.get_input_embeddings(), **kwargs)
     fully_shard(model, **kwargs)
     if device.type == "cpu":
-        use_reused_buffer_reduce_scatter(model)
+        use_gloo_comms(model)

@@ -21,6 +21,7 @@ from fsdptrain.trainer.engine import (
     all_reduce_sum,
     collate,
     dp_all_reduce_sum,
+    keep_freed_host_memory,
     loss_tokens,
     max_over_ranks,
     once_per_sp_group,
@@ -86,6 +87,8 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
 def run_sft(config: SFTConfig) -> None:
     parallel = init_parallel(config.trainer.device, config.ulysses_sequence_parallel_size)
     quiet_non_main(parallel)
+    if parallel.device.type == "cpu" or config.model.fsdp_config.cpu_offload:
+        keep_freed_host_memory()
     check_batch_layout(config.data, parallel.dp_size)
     hf_config = load_model_config(config.model, parallel.sp_size)
     seed_everything(config.trainer.seed)

@@ -1,10 +1,14 @@
-"""FSDP2's gradient reduce-scatter on CPU (gloo), without the fresh full-size buffers the default writes.
+"""FSDP2's collectives on CPU (gloo), without the full-size copies gloo's own make.
 
-gloo has no reduce-scatter of its own: torch clones the whole input and all-reduces it, and FSDP2 first copies
-each group's gradients into a freshly allocated input. On this project's CPU VM a fresh buffer of that size costs
-its page faults (SmolLM2 over 2 ranks: 86 ms per decoder layer, of which 72 ms is those two copies). This comm
-reuses one input buffer while consecutive groups have the same size (the decoder layers, one after another) and
-reduces with an all-to-all, through which each rank receives only its own shard from every rank, then sums.
+Reduce-scatter: gloo has none of its own: torch clones the whole input and all-reduces it, and FSDP2 first
+copies each group's gradients into a freshly allocated input. On this project's CPU VM a fresh buffer of that
+size costs its page faults (SmolLM2 over 2 ranks: 86 ms per decoder layer, of which 72 ms is those two copies).
+This comm reuses one input buffer while consecutive groups have the same size (the decoder layers, one after
+another) and reduces with an all-to-all, through which each rank receives only its own shard from every rank,
+then sums.
+
+All-gather: gloo's gathers into a temporary buffer of the whole output, allocated in its worker thread, then
+copies that into the output. Point-to-point sends and receives move each shard straight into its place.
 """
 
 import math
@@ -64,10 +68,40 @@ class ReusedBufferReduceScatter:
             output_tensor.div_(group.size())
 
 
-def use_reused_buffer_reduce_scatter(model: nn.Module) -> None:
-    """Give every FSDP group of `model` one shared ReusedBufferReduceScatter (groups reduce one after another).
-    A torch without FSDP2's custom comms keeps the default."""
-    comm = ReusedBufferReduceScatter()
+class PointToPointAllGather:
+    """An all-gather comm for `FSDPModule.set_custom_all_gather` (FSDP2's `AllGather` interface, duck-typed like
+    the reduce-scatter above). FSDP2 has already copied this rank's shard into its slot of the output, so the
+    input is sent as it is and every other rank's shard is received into its own slot."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> None:
+        rank, shards = group.rank(), output_tensor.view(group.size(), -1)
+        if shards[rank].data_ptr() != input_tensor.data_ptr():
+            shards[rank].copy_(input_tensor)
+        operations = []
+        for peer in range(group.size()):
+            if peer != rank:
+                peer_rank = dist.get_global_rank(group, peer)
+                operations.append(dist.P2POp(dist.isend, input_tensor, peer_rank, group))
+                operations.append(dist.P2POp(dist.irecv, shards[peer], peer_rank, group))
+        for work in dist.batch_isend_irecv(operations):
+            work.wait()
+
+
+def use_gloo_comms(model: nn.Module) -> None:
+    """Give every FSDP group of `model` the comms above, one shared instance of each (groups communicate one
+    after another). A torch without FSDP2's custom comms keeps the defaults."""
+    reduce_scatter, all_gather = ReusedBufferReduceScatter(), PointToPointAllGather()
     for module in model.modules():
         if isinstance(module, FSDPModule) and hasattr(module, "set_custom_reduce_scatter"):
-            module.set_custom_reduce_scatter(comm)
+            module.set_custom_reduce_scatter(reduce_scatter)
+        if isinstance(module, FSDPModule) and hasattr(module, "set_custom_all_gather"):
+            module.set_custom_all_gather(all_gather)
