@@ -102,6 +102,7 @@ class TrainerConfig:
     seed: int
     device: str
     profile_step: Optional[int]
+    keep_freed_host_memory: bool
 
 
 @dataclass

@@ -87,7 +87,7 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
 def run_sft(config: SFTConfig) -> None:
     parallel = init_parallel(config.trainer.device, config.ulysses_sequence_parallel_size)
     quiet_non_main(parallel)
-    if parallel.device.type == "cpu" or config.model.fsdp_config.cpu_offload:
+    if config.trainer.keep_freed_host_memory and (parallel.device.type == "cpu" or config.model.fsdp_config.cpu_offload):
         keep_freed_host_memory()
     check_batch_layout(config.data, parallel.dp_size)
     hf_config = load_model_config(config.model, parallel.sp_size)
