@@ -7,7 +7,7 @@ This comm reuses one input buffer while consecutive groups have the same size (t
 another) and reduces with an all-to-all, through which each rank receives only its own shard from every rank,
 then sums.
 
-All-gather: gloo's gathers into a temporary buffer of the whole output, allocated in its worker thread, then
+All-gather: gloo's receives into a temporary buffer of the whole output, allocated in its worker thread, then
 copies that into the output. Point-to-point sends and receives move each shard straight into its place.
 """
 

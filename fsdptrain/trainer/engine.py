@@ -40,8 +40,8 @@ def keep_freed_host_memory() -> None:
     Training on host memory frees and allocates the same large tensors every step (activations, gathered
     parameters, gradients). By default glibc serves each allocation over 32 MB with its own mmap, unmapped on
     free, and trims the heap's free top: every step then faults those pages in again. On this project's CPU VM
-    that was 180-360k page faults a step per rank for SmolLM2, about 3% of the step.
-    Without glibc (no `mallopt`) nothing changes.
+    that was 180-360k page faults a step per rank for SmolLM2. Freed memory is no longer returned, so the peak
+    RSS grows a little (docs/performance.md). Without glibc (no `mallopt`) nothing changes.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
