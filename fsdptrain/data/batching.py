@@ -50,7 +50,7 @@ def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = F
     while True:
         heavy = max(range(parts), key=lambda p: (loads[p], -p))
         swaps = [
-            (max(loads[heavy] - d, loads[other] + d), a, other, b)
+            (max(loads[heavy] - d, loads[other] + d), a, other, b, d)
             for other in range(parts)
             for a in groups[heavy]
             for b in groups[other]
@@ -58,10 +58,10 @@ def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = F
         ]
         if not swaps:
             break
-        _, a, other, b = min(swaps)
+        _, a, other, b, moved = min(swaps)
         groups[heavy][groups[heavy].index(a)], groups[other][groups[other].index(b)] = b, a
-        loads[heavy] -= lengths[a] - lengths[b]
-        loads[other] += lengths[a] - lengths[b]
+        loads[heavy] -= moved
+        loads[other] += moved
     return [sorted(g) for g in groups]
 
 

@@ -101,7 +101,9 @@ def use_gloo_comms(model: nn.Module) -> None:
     after another). A torch without FSDP2's custom comms keeps the defaults."""
     reduce_scatter, all_gather = ReusedBufferReduceScatter(), PointToPointAllGather()
     for module in model.modules():
-        if isinstance(module, FSDPModule) and hasattr(module, "set_custom_reduce_scatter"):
+        if not isinstance(module, FSDPModule):
+            continue
+        if hasattr(module, "set_custom_reduce_scatter"):
             module.set_custom_reduce_scatter(reduce_scatter)
-        if isinstance(module, FSDPModule) and hasattr(module, "set_custom_all_gather"):
+        if hasattr(module, "set_custom_all_gather"):
             module.set_custom_all_gather(all_gather)
