@@ -1,4 +1,4 @@
-"""FSDP2's collectives over gloo (reduce-scatter with reused buffers, point-to-point all-gather): the values of
+"""FSDP2's collectives over gloo (point-to-point reduce-scatter and all-gather): the values of
 gloo's own, on 2 and 4 ranks. The dp=2 and sp=2 training tests run them inside FSDP2 (tests/test_sft_distributed.py,
 tests/test_ulysses.py)."""
 

@@ -26,6 +26,20 @@ def test_chunked_equals_full_logits(chunk):
     torch.testing.assert_close(chunked, full, atol=1e-3, rtol=1e-6)
     for a, b in zip(chunked_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the loss alone, no gradients computed
+        torch.testing.assert_close(chunked_cross_entropy_sum(hidden, weight, labels, chunk), full, atol=1e-3, rtol=1e-6)
+
+
+def test_chunked_gradient_of_one_input_only():
+    """A frozen output layer (or frozen backbone) gets no gradient, the other one the full-logits gradient."""
+    torch.manual_seed(0)
+    hidden, weight, labels = torch.randn(50, 16), torch.randn(300, 16), torch.randint(0, 300, (50,))
+    for trained in (hidden, weight):
+        trained.requires_grad_()
+        full_grad = torch.autograd.grad(F.cross_entropy(hidden @ weight.T, labels, reduction="sum"), trained)[0]
+        chunked_grad = torch.autograd.grad(chunked_cross_entropy_sum(hidden, weight, labels, 16), trained)[0]
+        torch.testing.assert_close(chunked_grad, full_grad, atol=1e-5, rtol=1e-5)
+        trained.requires_grad_(False)
 
 
 def _mask(n: int, kind: str) -> torch.Tensor:

@@ -54,7 +54,7 @@ def test_unbalanced_mode_logs_the_token_mean_but_weighs_micro_batches(tmp_path, 
     out = str(tmp_path)
     run_sft(2, tiny_llama, chat_data, out, data__balance_dp_token="false", data__micro_batch_size_per_gpu=1)
     balanced, unbalanced = losses(reference), losses(out)
-    assert unbalanced[0] == pytest.approx(balanced[0], abs=1e-6)  # same weights before the first update
+    assert unbalanced[0] == pytest.approx(balanced[0], rel=1e-6)  # same weights before the first update (fp32 sums in another order)
     assert abs(unbalanced[2] - balanced[2]) > 1e-4  # per-micro-batch means weigh tokens differently
 
 

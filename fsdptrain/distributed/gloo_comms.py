@@ -1,18 +1,19 @@
-"""FSDP2's collectives on CPU (gloo), without the full-size copies gloo's own make.
+"""FSDP2's collectives on CPU (gloo) as point-to-point exchanges, without the full-size copies gloo's own make.
 
 Reduce-scatter: gloo has none of its own: torch clones the whole input and all-reduces it, and FSDP2 first
 copies each group's gradients into a freshly allocated input. On this project's CPU VM a fresh buffer of that
 size costs its page faults (SmolLM2 over 2 ranks: 86 ms per decoder layer, of which 72 ms is those two copies).
-This comm reuses one input buffer while consecutive groups have the same size (the decoder layers, one after
-another) and reduces with an all-to-all, through which each rank receives only its own shard from every rank,
-then sums.
+Here each rank sends every peer that peer's shard of its input and receives its own shard from every peer,
+then sums: only the (world size - 1) shards received are allocated, and the input buffer is reused while
+consecutive groups have the same size (the decoder layers, one after another).
 
 All-gather: gloo's receives into a temporary buffer of the whole output, allocated in its worker thread, then
-copies that into the output. Point-to-point sends and receives move each shard straight into its place.
+copies that into the output. Here each rank sends its shard and receives every other shard straight into its
+place.
 """
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,12 +21,25 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 
-class ReusedBufferReduceScatter:
+def _exchange(group: dist.ProcessGroup, to_send: Callable[[int], torch.Tensor], receive_into: Callable[[int], torch.Tensor]) -> None:
+    """Send `to_send(peer)` to every other rank of `group` and receive from it into `receive_into(peer)`, all
+    posted at once (peers are group ranks)."""
+    operations = []
+    for peer in range(group.size()):
+        if peer != group.rank():
+            peer_rank = dist.get_global_rank(group, peer)
+            operations.append(dist.P2POp(dist.isend, to_send(peer), peer_rank, group))
+            operations.append(dist.P2POp(dist.irecv, receive_into(peer), peer_rank, group))
+    for work in dist.batch_isend_irecv(operations):
+        work.wait()
+
+
+class PointToPointReduceScatter:
     """A reduce-scatter comm for `FSDPModule.set_custom_reduce_scatter` (FSDP2's `ReduceScatter` interface:
     `allocate` for its input and output buffers, then the call; the base class is private, so it is duck-typed).
 
-    Only the last input buffer, and the buffer it is received into, are kept, and only while the next group's
-    input has the same size: nothing outlives the backward pass, so the step's peak memory is unchanged.
+    Only the last input buffer, and the buffer its shards are received into, are kept, and only while the next
+    group's input has the same size: nothing outlives the backward pass, so the step's peak memory is unchanged.
     FSDP views its output buffer as the sharded gradients. If it asks for an output of the kept size, it gets the
     kept buffer, but that call's input has another size (world size times), so the kept buffer is dropped there.
     """
@@ -51,21 +65,26 @@ class ReusedBufferReduceScatter:
     ) -> None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(f"reduce-scatter over gloo supports SUM and AVG, not {op}")
+        rank, size = group.rank(), group.size()
         this_input = (input_tensor.numel(), input_tensor.dtype, input_tensor.device)
         if this_input != self._last_input:
             self._kept_input = self._kept_received = None
         elif self._kept_input is None:
-            self._kept_input, self._kept_received = input_tensor, torch.empty_like(input_tensor)
+            self._kept_input, self._kept_received = input_tensor, input_tensor.new_empty(size - 1, input_tensor.numel() // size)
         self._last_input = this_input
-        received = self._kept_received if input_tensor is self._kept_input else torch.empty_like(input_tensor)
+        if input_tensor is self._kept_input:
+            received = self._kept_received
+        else:
+            received = input_tensor.new_empty(size - 1, input_tensor.numel() // size)
 
-        dist.all_to_all_single(received, input_tensor, group=group)
-        shards = received.view(group.size(), -1)
-        torch.add(shards[0], shards[1], out=output_tensor)
-        for shard in shards[2:]:
+        shards = input_tensor.view(size, -1)
+        # `received` holds the peers' shards in group-rank order, without this rank's.
+        _exchange(group, to_send=lambda peer: shards[peer], receive_into=lambda peer: received[peer - (peer > rank)])
+        torch.add(shards[rank], received[0], out=output_tensor)
+        for shard in received[1:]:
             output_tensor.add_(shard)
         if op == dist.ReduceOp.AVG:
-            output_tensor.div_(group.size())
+            output_tensor.div_(size)
 
 
 class PointToPointAllGather:
@@ -83,23 +102,16 @@ class PointToPointAllGather:
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> None:
-        rank, shards = group.rank(), output_tensor.view(group.size(), -1)
-        if shards[rank].data_ptr() != input_tensor.data_ptr():
-            shards[rank].copy_(input_tensor)
-        operations = []
-        for peer in range(group.size()):
-            if peer != rank:
-                peer_rank = dist.get_global_rank(group, peer)
-                operations.append(dist.P2POp(dist.isend, input_tensor, peer_rank, group))
-                operations.append(dist.P2POp(dist.irecv, shards[peer], peer_rank, group))
-        for work in dist.batch_isend_irecv(operations):
-            work.wait()
+        shards = output_tensor.view(group.size(), -1)
+        if shards[group.rank()].data_ptr() != input_tensor.data_ptr():
+            shards[group.rank()].copy_(input_tensor)
+        _exchange(group, to_send=lambda peer: input_tensor, receive_into=lambda peer: shards[peer])
 
 
 def use_gloo_comms(model: nn.Module) -> None:
     """Give every FSDP group of `model` the comms above, one shared instance of each (groups communicate one
     after another). A torch without FSDP2's custom comms keeps the defaults."""
-    reduce_scatter, all_gather = ReusedBufferReduceScatter(), PointToPointAllGather()
+    reduce_scatter, all_gather = PointToPointReduceScatter(), PointToPointAllGather()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
