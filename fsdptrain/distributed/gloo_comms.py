@@ -67,15 +67,15 @@ class PointToPointReduceScatter:
             raise ValueError(f"reduce-scatter over gloo supports SUM and AVG, not {op}")
         rank, size = group.rank(), group.size()
         this_input = (input_tensor.numel(), input_tensor.dtype, input_tensor.device)
-        if this_input != self._last_input:
+        same_size, self._last_input = this_input == self._last_input, this_input
+        if not same_size:
             self._kept_input = self._kept_received = None
-        elif self._kept_input is None:
-            self._kept_input, self._kept_received = input_tensor, input_tensor.new_empty(size - 1, input_tensor.numel() // size)
-        self._last_input = this_input
         if input_tensor is self._kept_input:
             received = self._kept_received
         else:
             received = input_tensor.new_empty(size - 1, input_tensor.numel() // size)
+            if same_size and self._kept_input is None:  # the second group of a run of one size: keep from here on
+                self._kept_input, self._kept_received = input_tensor, received
 
         shards = input_tensor.view(size, -1)
         # `received` holds the peers' shards in group-rank order, without this rank's.
