@@ -8,9 +8,8 @@ transformers dequantizes the GGUF weights to fp32; the folder then loads like an
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from make_tiny import GGUF, smollm2_dir, smollm2_tokenizer
+from transformers import AutoModelForCausalLM
 
 
 def main() -> None:

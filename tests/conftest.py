@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -51,7 +50,7 @@ def tiny_qwen2(tmp_path_factory, tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
-def chat_data(tmp_path_factory) -> Dict[str, str]:
+def chat_data(tmp_path_factory) -> dict[str, str]:
     """Arithmetic chats of varied lengths (1 to 6 exchanges): 64 training rows, 12 validation rows."""
     path = tmp_path_factory.mktemp("data")
     demo_data.write_chat_parquet(str(path / "train.parquet"), 64, seed=0)
@@ -59,7 +58,7 @@ def chat_data(tmp_path_factory) -> Dict[str, str]:
     return {"train": str(path / "train.parquet"), "val": str(path / "val.parquet")}
 
 
-def sft_args(model: str, data: Dict[str, str], out: str, **overrides) -> List[str]:
+def sft_args(model: str, data: dict[str, str], out: str, **overrides) -> list[str]:
     """CLI overrides for a short, deterministic fp32 run on CPU; keyword overrides replace or add keys."""
     args = {
         "data.train_files": data["train"],
@@ -83,11 +82,11 @@ def sft_args(model: str, data: Dict[str, str], out: str, **overrides) -> List[st
     return [f"{k}={v}" for k, v in args.items()]
 
 
-def torchrun_cmd(nproc: int, module: str, args: List[str], extra: Optional[List[str]] = None) -> List[str]:
+def torchrun_cmd(nproc: int, module: str, args: list[str], extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []), "-m", module, *args]
 
 
-def torchrun(nproc: int, module: str, args: List[str], check: bool = True, extra: Optional[List[str]] = None, **run_kwargs):
+def torchrun(nproc: int, module: str, args: list[str], check: bool = True, extra: list[str] | None = None, **run_kwargs):
     cmd = torchrun_cmd(nproc, module, args, extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **run_kwargs)
@@ -96,24 +95,24 @@ def torchrun(nproc: int, module: str, args: List[str], check: bool = True, extra
     return result
 
 
-def run_sft(nproc: int, model: str, data: Dict[str, str], out: str, check: bool = True, **overrides):
+def run_sft(nproc: int, model: str, data: dict[str, str], out: str, check: bool = True, **overrides):
     return torchrun(nproc, "fsdptrain.sft_trainer", sft_args(model, data, out, **overrides), check=check)
 
 
-def read_metrics(out: str) -> List[dict]:
+def read_metrics(out: str) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def losses(out: str) -> List[float]:
+def losses(out: str) -> list[float]:
     return [m["train/loss"] for m in read_metrics(out)]
 
 
-def hf_weights(step_dir: str) -> Dict[str, torch.Tensor]:
+def hf_weights(step_dir: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(step_dir, "huggingface", "model.safetensors"))
 
 
-def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], atol: float) -> None:
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")

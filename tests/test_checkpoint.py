@@ -13,9 +13,18 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import (
+    REPO,
+    assert_same_weights,
+    hf_weights,
+    losses,
+    read_metrics,
+    run_sft,
+    sft_args,
+    torchrun,
+    torchrun_cmd,
+)
 from transformers import AutoModelForCausalLM
-
-from conftest import REPO, assert_same_weights, hf_weights, losses, read_metrics, run_sft, sft_args, torchrun, torchrun_cmd
 
 STEPS = 6
 SAVE_HF = "[model,optimizer,extra,hf_model]"

@@ -1,10 +1,10 @@
 """Hydra overrides reach the typed config; bad keys, types and combinations fail naming the key."""
 
 import pytest
+from conftest import torchrun
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
-from conftest import torchrun
 from fsdptrain.config.schema import ConfigError, check_batch_layout, load_sft_config
 
 REQUIRED = ["data.train_files=train.parquet", "model.partial_pretrain=/models/x"]

@@ -6,8 +6,8 @@ Skipped where there is no GPU (CI); run on a GPU machine with `python -m pytest 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import losses, read_metrics, run_sft
+
 from fsdptrain.models import attention
 from fsdptrain.models.loss import chunked_cross_entropy_sum
 

@@ -67,7 +67,7 @@ def test_model_loss_and_parameter_gradients_match(tiny_qwen2, kind):
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
         # fp32 sums in another order: the error scales with the gradient (the tied embedding's reaches about 5).
         scale = max(1.0, float(a.grad.abs().max()))
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5 * scale, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_tied_embedding_adds_its_rows_in_place_equal_to_autograd(tiny_qwen2):
@@ -89,7 +89,7 @@ def test_tied_embedding_adds_its_rows_in_place_equal_to_autograd(tiny_qwen2):
         for _ in range(2):
             token_nll_sum(model, batch).backward()
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert models[1].get_input_embeddings().weight.grad[padding_id].abs().sum() > 0  # the output layer's part
     with torch.no_grad():
         assert not models[1].get_input_embeddings()(batch["input_ids"]).requires_grad

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from fsdptrain.config.schema import OptimConfig, sft_defaults, to_typed
 from fsdptrain.trainer.optim import build_optimizer, build_scheduler, clipped_step, lr_factor
 

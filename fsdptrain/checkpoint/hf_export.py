@@ -2,7 +2,6 @@
 vLLM load as they load any Hugging Face model."""
 
 import os
-from typing import Dict, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
@@ -26,7 +25,7 @@ def save_hf_folder(
     config: PretrainedConfig,
     generation_config: GenerationConfig,
     tokenizer: PreTrainedTokenizerBase,
-    state: Optional[Dict[str, torch.Tensor]],
+    state: dict[str, torch.Tensor] | None,
     dtype: str,
 ) -> None:
     """Write config and tokenizer, plus the weights in `dtype` when a full `state` is given.

@@ -15,7 +15,7 @@ import os
 import random
 import re
 import shutil
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def complete_checkpoints(root: str) -> List[int]:
+def complete_checkpoints(root: str) -> list[int]:
     """Steps of the complete checkpoints under root, oldest first (temporary folders are not complete)."""
     if not os.path.isdir(root):
         return []
@@ -61,7 +61,7 @@ def complete_checkpoints(root: str) -> List[int]:
     return sorted(s for s in steps if os.path.isfile(os.path.join(root, f"global_step_{s}", "meta.json")))
 
 
-def read_meta(step_dir: str) -> Dict[str, Any]:
+def read_meta(step_dir: str) -> dict[str, Any]:
     path = os.path.join(step_dir, "meta.json")
     if not os.path.isfile(path):
         raise ConfigError(f"trainer.resume_from_path={step_dir!r} is not a checkpoint folder (no meta.json)")
@@ -69,14 +69,14 @@ def read_meta(step_dir: str) -> Dict[str, Any]:
         return json.load(f)
 
 
-def _rng_state() -> Dict[str, Any]:
+def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -106,7 +106,7 @@ class CheckpointManager:
         self.save_contents = list(config.checkpoint.save_contents)
         self.load_contents = list(config.checkpoint.load_contents or self.save_contents)
 
-    def _agree(self, error: Optional[BaseException]) -> None:
+    def _agree(self, error: BaseException | None) -> None:
         """Raise on every rank if any rank failed, so no rank waits forever on the others."""
         failed = torch.tensor([error is not None], dtype=torch.int32, device=self.parallel.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
@@ -187,7 +187,7 @@ class CheckpointManager:
             shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
 
     # ---- resume -----------------------------------------------------------------------------------------
-    def _resume_dir(self) -> Optional[str]:
+    def _resume_dir(self) -> str | None:
         mode = self.config.resume_mode
         if mode == "disable":
             return None
@@ -206,7 +206,7 @@ class CheckpointManager:
             raise CheckpointError(f"{tracker} names {path}, which is not a complete checkpoint")
         return path
 
-    def _check_compatible(self, path: str, meta: Dict[str, Any]) -> None:
+    def _check_compatible(self, path: str, meta: dict[str, Any]) -> None:
         with open(os.path.join(path, "huggingface", "config.json")) as f:
             saved = json.load(f)
         current = self.model.config.to_dict()

@@ -6,7 +6,7 @@ missing from the YAML, an unknown key or a value of the wrong type fails with it
 
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -36,13 +36,13 @@ class DataConfig:
     micro_batch_size_per_gpu: int
     balance_dp_token: bool
     use_dynamic_bsz: bool
-    max_token_len_per_gpu: Optional[int]
+    max_token_len_per_gpu: int | None
     shuffle: bool
 
 
 @dataclass
 class MixedPrecisionConfig:
-    param_dtype: Optional[str]
+    param_dtype: str | None
     reduce_dtype: str
 
 
@@ -68,11 +68,11 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     lr: float
-    betas: List[float]
+    betas: list[float]
     weight_decay: float
     clip_grad: float
     lr_warmup_steps_ratio: float
-    lr_warmup_steps: Optional[int]
+    lr_warmup_steps: int | None
     lr_scheduler: str
     min_lr_ratio: float
     wsd_decay_ratio: float
@@ -80,9 +80,9 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_contents: List[str]
-    load_contents: Optional[List[str]]
-    hf_dtype: Optional[str]
+    save_contents: list[str]
+    load_contents: list[str] | None
+    hf_dtype: str | None
 
 
 @dataclass
@@ -91,17 +91,17 @@ class TrainerConfig:
     project_name: str
     experiment_name: str
     total_epochs: int
-    total_training_steps: Optional[int]
+    total_training_steps: int | None
     test_freq: int
     save_freq: int
-    max_ckpt_to_keep: Optional[int]
+    max_ckpt_to_keep: int | None
     resume_mode: str
-    resume_from_path: Optional[str]
+    resume_from_path: str | None
     checkpoint: CheckpointConfig
-    logger: List[str]
+    logger: list[str]
     seed: int
     device: str
-    profile_step: Optional[int]
+    profile_step: int | None
     keep_freed_host_memory: bool
 
 
@@ -125,14 +125,14 @@ def _one_of(key: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{key} must be one of {'|'.join(map(str, allowed))}, got {value!r}")
 
 
-def _positive(key: str, value: Optional[float], allow_none: bool = False) -> None:
+def _positive(key: str, value: float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if value is None or value <= 0:
         raise ConfigError(f"{key} must be > 0, got {value!r}")
 
 
-def _as_path_list(key: str, value: Any) -> List[str]:
+def _as_path_list(key: str, value: Any) -> list[str]:
     paths = [value] if isinstance(value, str) else list(value or [])
     if not all(isinstance(p, str) and p for p in paths):
         raise ConfigError(f"{key} must be a path or a list of paths, got {value!r}")

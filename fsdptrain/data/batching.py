@@ -4,7 +4,7 @@ A training step's samples depend only on (seed, epoch, batch index), never on th
 resumed at another data-parallel size continues the same data order.
 """
 
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -13,7 +13,7 @@ from fsdptrain.data.dataset import Sample
 IGNORE_INDEX = -100
 
 
-def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int, shuffle: bool) -> List[List[int]]:
+def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
     """Sample indices of every full global batch of one epoch; the incomplete tail is dropped."""
     if shuffle:
         order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
@@ -22,17 +22,17 @@ def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int, shuf
     return [order[i : i + batch_size] for i in range(0, num_samples - batch_size + 1, batch_size)]
 
 
-def rank_share(samples: Sequence[Sample], rank: int, world: int) -> List[Sample]:
+def rank_share(samples: Sequence[Sample], rank: int, world: int) -> list[Sample]:
     """The `rank`-th of `world` parts of a global batch: equal sample counts (len(samples) divisible by world),
     near-equal token sums, so that no rank waits on a longer one at every collective."""
     return [samples[i] for i in balanced_partition([len(s) for s in samples], world, equal_count=True)[rank]]
 
 
-def split_by_count(samples: Sequence[Sample], micro_batch_size: int) -> List[List[Sample]]:
+def split_by_count(samples: Sequence[Sample], micro_batch_size: int) -> list[list[Sample]]:
     return [list(samples[i : i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]
 
 
-def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = False) -> List[List[int]]:
+def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = False) -> list[list[int]]:
     """Indices split into `parts` groups of near-equal token sums; with `equal_count`, len(lengths) // parts each.
 
     Longest first onto the lightest group (that still has room), then swaps of one sample of the heaviest group
@@ -41,7 +41,7 @@ def balanced_partition(lengths: Sequence[int], parts: int, equal_count: bool = F
     """
     capacity = len(lengths) // parts if equal_count else len(lengths)
     loads = [0] * parts
-    groups: List[List[int]] = [[] for _ in range(parts)]
+    groups: list[list[int]] = [[] for _ in range(parts)]
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         part = min((p for p in range(parts) if len(groups[p]) < capacity), key=lambda p: (loads[p], p))
         groups[part].append(index)
@@ -73,7 +73,7 @@ def min_token_micro_batches(lengths: Sequence[int], max_tokens: int) -> int:
     return parts
 
 
-def split_by_tokens(samples: Sequence[Sample], parts: int) -> List[List[Sample]]:
+def split_by_tokens(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     groups = balanced_partition([len(s) for s in samples], parts)
     return [[samples[i] for i in group] for group in groups]
 
@@ -86,7 +86,7 @@ def _labels(sample: Sample) -> torch.Tensor:
     return labels
 
 
-def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1) -> Dict[str, torch.Tensor]:
+def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
     """One row of concatenated samples; position_ids restart at 0 at each sample start.
 
     With `pad_to_multiple` > 1 the row is padded at the end by a segment whose labels are ignored.
@@ -107,7 +107,7 @@ def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1) -> Dict[
     }
 
 
-def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> Dict[str, torch.Tensor]:
+def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
     """A (batch, longest) batch padded on the right, with its attention mask."""
     width = max(len(s) for s in samples)
     batch = {

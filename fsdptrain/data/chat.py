@@ -7,7 +7,8 @@ where that prefix ends.
 """
 
 import json
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -40,7 +41,7 @@ def check_messages(messages: Any) -> None:
         raise RowError("conversation has no assistant message")
 
 
-def parse_tools(tools: Any) -> Optional[list]:
+def parse_tools(tools: Any) -> list | None:
     """A row's tool schemas as the chat template wants them: a list of dicts. Parquet files often hold them as a
     JSON string (one schema per row varies too much for a struct column), which is decoded here."""
     if tools is None:
@@ -55,7 +56,7 @@ def parse_tools(tools: Any) -> Optional[list]:
     return list(tools)
 
 
-def _content_span(full_text: str, prefix: str, content: str, index: int) -> Tuple[int, int]:
+def _content_span(full_text: str, prefix: str, content: str, index: int) -> tuple[int, int]:
     if not full_text.startswith(prefix):
         raise RowError(
             f"the chat template does not render messages[:{index}] as a prefix of the conversation, "
@@ -70,7 +71,7 @@ def _content_span(full_text: str, prefix: str, content: str, index: int) -> Tupl
 
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], tools: Any = None
-) -> Tuple[List[int], List[int]]:
+) -> tuple[list[int], list[int]]:
     """Token ids of the templated conversation and a 0/1 loss mask over them. `tools`: a list of tool schemas
     (dicts) or its JSON string."""
     check_messages(messages)
@@ -96,7 +97,7 @@ def tokenize_conversation(
     return ids, mask
 
 
-def tokenize_prompt_response(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -> Tuple[List[int], List[int]]:
+def tokenize_prompt_response(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -> tuple[list[int], list[int]]:
     """Single-turn data: the prompt as a user turn with the generation prompt, then the response and EOS."""
     if not isinstance(prompt, str) or not isinstance(response, str):
         raise RowError("prompt and response must be strings")

@@ -1,8 +1,8 @@
 """SFT samples from parquet files: every row is read, checked and tokenized when the dataset loads."""
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence
 
 import pyarrow.parquet as pq
 import torch
@@ -25,7 +25,7 @@ class Sample:
         return self.input_ids.numel()
 
 
-def truncate(ids: List[int], mask: List[int], max_length: int, mode: str) -> tuple:
+def truncate(ids: list[int], mask: list[int], max_length: int, mode: str) -> tuple:
     if len(ids) <= max_length:
         return ids, mask
     if mode == "left":
@@ -56,7 +56,7 @@ def _tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, column
     return tokenize_prompt_response(tokenizer, columns[config.prompt_key][row], columns[config.response_key][row])
 
 
-def load_sft_samples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase, config: DataConfig) -> List[Sample]:
+def load_sft_samples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase, config: DataConfig) -> list[Sample]:
     """Read, check and tokenize every row of `files` in order; the first bad row raises naming file and row."""
     if config.multiturn.enable:
         required = [config.multiturn.messages_key]

@@ -13,7 +13,7 @@ place.
 """
 
 import math
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,9 @@ class PointToPointReduceScatter:
     """
 
     def __init__(self) -> None:
-        self._last_input: Optional[tuple] = None  # (numel, dtype, device) of the previous call's input
-        self._kept_input: Optional[torch.Tensor] = None
-        self._kept_received: Optional[torch.Tensor] = None
+        self._last_input: tuple | None = None  # (numel, dtype, device) of the previous call's input
+        self._kept_input: torch.Tensor | None = None
+        self._kept_received: torch.Tensor | None = None
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         kept = self._kept_input

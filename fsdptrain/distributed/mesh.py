@@ -3,7 +3,6 @@
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ class Parallel:
         return self.rank == 0
 
     @property
-    def ulysses_group(self) -> Optional[dist.ProcessGroup]:
+    def ulysses_group(self) -> dist.ProcessGroup | None:
         """The sequence-parallel group, or None without sequence parallelism."""
         return self.mesh.get_group("sp") if self.sp_size > 1 else None
 

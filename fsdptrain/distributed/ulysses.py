@@ -5,13 +5,12 @@ attention runs over the full row for H/S heads, and the output goes back. Everyt
 per-token and runs on the local slice; rotary embeddings see the slice's own (global) position ids.
 """
 
-from typing import Dict
 
 import torch
 import torch.distributed as dist
 
 
-def shard_sequence(batch: Dict[str, torch.Tensor], rank: int, size: int) -> Dict[str, torch.Tensor]:
+def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """This rank's slice of every (1, T) tensor; T must be a multiple of `size`."""
     chunk = batch["input_ids"].shape[1] // size
     return {k: v[:, rank * chunk : (rank + 1) * chunk] for k, v in batch.items()}

@@ -5,7 +5,6 @@ Only rank 0 logs; on other ranks the logger has no sinks, so nothing is printed 
 
 import json
 import os
-from typing import Dict, List
 
 from tqdm import tqdm
 
@@ -31,7 +30,7 @@ class FileSink:
             os.replace(tmp, self.path)
         self.file = open(self.path, "a")
 
-    def log(self, metrics: Dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
 
@@ -40,7 +39,7 @@ class FileSink:
 
 
 class ConsoleSink:
-    def log(self, metrics: Dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int) -> None:
         tqdm.write(f"step {step} | " + " | ".join(f"{k} {_format(v)}" for k, v in metrics.items()))
 
     def close(self) -> None:
@@ -54,7 +53,7 @@ class WandbSink:
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(project=project, name=experiment, dir=directory, config=config)
 
-    def log(self, metrics: Dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
     def close(self) -> None:
@@ -69,7 +68,7 @@ class TensorboardSink:
             raise ImportError("trainer.logger includes tensorboard: pip install tensorboard") from None
         self.writer = SummaryWriter(log_dir=os.path.join(directory, "tensorboard"), purge_step=resume_step + 1)
 
-    def log(self, metrics: Dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
@@ -81,7 +80,7 @@ class TensorboardSink:
 class MetricLogger:
     def __init__(
         self,
-        names: List[str],
+        names: list[str],
         directory: str,
         project: str,
         experiment: str,
@@ -102,7 +101,7 @@ class MetricLogger:
             elif name == "tensorboard":
                 self.sinks.append(TensorboardSink(directory, resume_step))
 
-    def log(self, metrics: Dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int) -> None:
         for sink in self.sinks:
             sink.log(metrics, step)
 

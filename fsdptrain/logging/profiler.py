@@ -2,7 +2,7 @@
 
 import contextlib
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile

@@ -11,7 +11,6 @@ to here: the row is then sharded along the sequence and attention runs on a shar
 """
 
 import inspect
-from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +47,7 @@ def max_seqlen(cu_seqlens: torch.Tensor) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-def repeat_kv_heads(key: torch.Tensor, value: torch.Tensor, query_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def repeat_kv_heads(key: torch.Tensor, value: torch.Tensor, query_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, Hkv, D) keys and values with each head repeated to one per query head, for kernels without GQA."""
     groups = query_heads // key.shape[1]
     return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -59,9 +58,9 @@ def attend_packed(
     key: torch.Tensor,
     value: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    scaling: Optional[float],
+    scaling: float | None,
     dropout: float = 0.0,
-    max_len: Optional[int] = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
     half = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
@@ -88,7 +87,7 @@ def attend_packed(
 
 
 def torch_varlen_causal(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scaling: Optional[float]
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scaling: float | None
 ) -> torch.Tensor:
     """torch's varlen flash kernel (CUDA, bf16/fp16), whichever of its signatures this torch has."""
     kwargs = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMS else {"is_causal": True}
@@ -106,15 +105,15 @@ def packed_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    scaling: Optional[float] = None,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
     dropout: float = 0.0,
-    position_ids: Optional[torch.Tensor] = None,
-    sp_group: Optional[ProcessGroup] = None,
-    cu_seq_lens_q: Optional[torch.Tensor] = None,
-    max_length_q: Optional[int] = None,
+    position_ids: torch.Tensor | None = None,
+    sp_group: ProcessGroup | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
     **kwargs,
-) -> Tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: q (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None).
 
     With `sp_group`, `cu_seq_lens_q` describes the whole row, not this rank's slice of it."""

@@ -12,7 +12,6 @@ against.
 
 from functools import partial
 from types import MethodType
-from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ NLL_METHOD = "fsdptrain_nll_sum"
 
 def _loss_and_grads(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, grad_hidden: bool, grad_weight: bool
-) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The summed loss over labels != IGNORE_INDEX, and its gradients where asked for (zeros when no label counts,
     so every rank hands FSDP a gradient to reduce)."""
     targets = (labels != IGNORE_INDEX).nonzero().squeeze(1)
@@ -102,7 +101,7 @@ def add_nll_forward(model: nn.Module, chunk_tokens: int) -> None:
     register_fsdp_forward_method(model, NLL_METHOD)
 
 
-def token_nll_sum(model: nn.Module, batch: Dict[str, torch.Tensor], sp_group: Optional[ProcessGroup] = None) -> torch.Tensor:
+def token_nll_sum(model: nn.Module, batch: dict[str, torch.Tensor], sp_group: ProcessGroup | None = None) -> torch.Tensor:
     """Summed cross-entropy (fp32) over the positions whose label is not IGNORE_INDEX.
 
     With `sp_group` the batch is this rank's sequence slice and the sum covers that slice only.

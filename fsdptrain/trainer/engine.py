@@ -5,7 +5,8 @@ import logging
 import random
 import resource
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,7 +14,13 @@ import torch.distributed as dist
 import transformers
 
 from fsdptrain.config.schema import DataConfig
-from fsdptrain.data.batching import collate_packed, collate_padded, min_token_micro_batches, split_by_count, split_by_tokens
+from fsdptrain.data.batching import (
+    collate_packed,
+    collate_padded,
+    min_token_micro_batches,
+    split_by_count,
+    split_by_tokens,
+)
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.ulysses import shard_sequence
@@ -52,13 +59,13 @@ def keep_freed_host_memory() -> None:
     mallopt(m_trim_threshold, 2**31 - 1)  # the heap's free top is given back only beyond 2 GiB
 
 
-def plan_micro_batches(samples: Sequence[Sample], data: DataConfig, parallel: Parallel) -> List[Optional[List[Sample]]]:
+def plan_micro_batches(samples: Sequence[Sample], data: DataConfig, parallel: Parallel) -> list[list[Sample] | None]:
     """This rank's micro-batches; every rank gets the same count, padded with None where it has fewer.
 
     FSDP needs the same number of forward passes on every rank, so the count is agreed across the world.
     """
     if not samples:
-        local: List[List[Sample]] = []
+        local: list[list[Sample]] = []
     elif data.use_dynamic_bsz:
         lengths = [len(s) for s in samples]
         parts = torch.tensor(min_token_micro_batches(lengths, data.max_token_len_per_gpu))
@@ -71,7 +78,7 @@ def plan_micro_batches(samples: Sequence[Sample], data: DataConfig, parallel: Pa
     return local + [None] * (int(count) - len(local))
 
 
-def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel) -> Dict[str, Any]:
+def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel) -> dict[str, Any]:
     """The model inputs of a micro-batch on this rank's device: with sequence parallelism, its slice of the row."""
     if not packed:
         batch = collate_padded(micro_batch, pad_token_id)
@@ -87,18 +94,18 @@ def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, para
     return batch
 
 
-def loss_tokens(micro_batch: Optional[Sequence[Sample]]) -> int:
+def loss_tokens(micro_batch: Sequence[Sample] | None) -> int:
     """Training targets in a micro-batch: loss-mask positions that have a previous token to predict them."""
     return sum(int(s.loss_mask[1:].sum()) for s in micro_batch or [])
 
 
-def once_per_sp_group(counts: Sequence[float], parallel: Parallel) -> List[float]:
+def once_per_sp_group(counts: Sequence[float], parallel: Parallel) -> list[float]:
     """Counts of samples every SP rank holds whole, kept on one rank of the group so that a world sum counts
     them once (losses are summed over sequence slices and need no such care)."""
     return [c if parallel.sp_rank == 0 else 0 for c in counts]
 
 
-def all_reduce_sum(values: Sequence[float], device: torch.device) -> List[float]:
+def all_reduce_sum(values: Sequence[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.tolist()

@@ -1,7 +1,6 @@
 """AdamW, the learning-rate schedules, and the clipped optimizer step."""
 
 import math
-from typing import Tuple
 
 import torch
 from torch import nn
@@ -47,7 +46,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total
 
 def clipped_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, max_norm: float
-) -> Tuple[float, bool]:
+) -> tuple[float, bool]:
     """Clip on the global norm of the sharded gradients and step; a non-finite norm skips the update.
 
     Returns (grad_norm, applied). The scheduler advances either way, so the schedule follows the step count.

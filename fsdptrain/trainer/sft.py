@@ -1,8 +1,8 @@
 """Supervised fine-tuning: the step loop on top of the shared engine."""
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,11 +35,11 @@ from fsdptrain.trainer.optim import build_optimizer, build_scheduler, clipped_st
 
 def train_step(
     model: nn.Module,
-    micro_batches: List[Optional[List[Sample]]],
+    micro_batches: list[list[Sample] | None],
     config: SFTConfig,
     parallel: Parallel,
     pad_token_id: int,
-) -> List[float]:
+) -> list[float]:
     """Forward and backward of one optimizer step's micro-batches. Returns this rank's [nll sum, tokens, seen tokens].
 
     Gradients are those of the loss below; FSDP averages over all ranks, so each rank's loss is scaled by the
