@@ -11,14 +11,7 @@ import importlib.util
 import os
 
 import torch
-from transformers import (
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerBase,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

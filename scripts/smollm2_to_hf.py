@@ -8,8 +8,9 @@ transformers dequantizes the GGUF weights to fp32; the folder then loads like an
 import sys
 
 import torch
-from make_tiny import GGUF, smollm2_dir, smollm2_tokenizer
 from transformers import AutoModelForCausalLM
+
+from make_tiny import GGUF, smollm2_dir, smollm2_tokenizer
 
 
 def main() -> None:

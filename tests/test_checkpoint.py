@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from transformers import AutoModelForCausalLM
+
 from conftest import (
     REPO,
     assert_same_weights,
@@ -24,7 +26,6 @@ from conftest import (
     torchrun,
     torchrun_cmd,
 )
-from transformers import AutoModelForCausalLM
 
 STEPS = 6
 SAVE_HF = "[model,optimizer,extra,hf_model]"

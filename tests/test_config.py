@@ -1,11 +1,12 @@
 """Hydra overrides reach the typed config; bad keys, types and combinations fail naming the key."""
 
 import pytest
-from conftest import torchrun
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
 from fsdptrain.config.schema import ConfigError, check_batch_layout, load_sft_config
+
+from conftest import torchrun
 
 REQUIRED = ["data.train_files=train.parquet", "model.partial_pretrain=/models/x"]
 

@@ -6,10 +6,11 @@ Skipped where there is no GPU (CI); run on a GPU machine with `python -m pytest 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import losses, read_metrics, run_sft
 
 from fsdptrain.models import attention
 from fsdptrain.models.loss import chunked_cross_entropy_sum
+
+from conftest import losses, read_metrics, run_sft
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -3,6 +3,7 @@ gloo's own, on 2 and 4 ranks. The dp=2 and sp=2 training tests run them inside F
 tests/test_ulysses.py)."""
 
 import pytest
+
 from conftest import torchrun
 
 

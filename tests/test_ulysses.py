@@ -3,6 +3,7 @@
 import os
 
 import pytest
+
 from conftest import assert_same_weights, hf_weights, losses, read_metrics, run_sft
 
 SAVE_HF = "[model,optimizer,extra,hf_model]"

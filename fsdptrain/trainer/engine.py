@@ -14,13 +14,7 @@ import torch.distributed as dist
 import transformers
 
 from fsdptrain.config.schema import DataConfig
-from fsdptrain.data.batching import (
-    collate_packed,
-    collate_padded,
-    min_token_micro_batches,
-    split_by_count,
-    split_by_tokens,
-)
+from fsdptrain.data.batching import collate_packed, collate_padded, min_token_micro_batches, split_by_count, split_by_tokens
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.ulysses import shard_sequence
