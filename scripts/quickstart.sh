@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/quickstart}
-bash scripts/setup.sh
+bash scripts/setup.sh smollm2
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
 python scripts/demo_data.py "$WORK/data" --rows 256
 torchrun --standalone --nproc_per_node=2 -m fsdptrain.sft_trainer \

