@@ -36,11 +36,10 @@ def build_folder(path: str, args) -> None:
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from fsdptrain.config.schema import ModelConfig, sft_defaults, to_typed
-    from fsdptrain.data.batching import collate_packed
+    from fsdptrain.config.schema import SFTModelConfig, sft_defaults, to_typed
     from fsdptrain.data.dataset import Sample
+    from fsdptrain.data.micro_batches import collate
     from fsdptrain.distributed.mesh import init_parallel
-    from fsdptrain.distributed.ulysses import shard_sequence
     from fsdptrain.models.loading import build_model, load_model_config
     from fsdptrain.models.loss import token_nll_sum
 
@@ -48,16 +47,14 @@ def worker(args) -> None:
     defaults = sft_defaults().model
     defaults.partial_pretrain = args.model
     defaults.enable_gradient_checkpointing = False
-    model_config = to_typed(defaults, ModelConfig)
-    model = build_model(model_config, load_model_config(model_config, parallel.sp_size), parallel, packed=True)
+    model_config = to_typed(defaults, SFTModelConfig)
+    hf_config = load_model_config(args.model, "model", model_config, parallel.sp_size)
+    model = build_model(args.model, model_config, model_config.fsdp_config, hf_config, parallel, packed=True, trainable=True)
 
     g = torch.Generator().manual_seed(0)
     quarter = args.seq_len // 4
     samples = [Sample(torch.randint(0, args.vocab, (quarter,), generator=g), torch.ones(quarter, dtype=torch.long)) for _ in range(4)]
-    batch = collate_packed(samples, pad_to_multiple=parallel.sp_size)
-    if parallel.sp_size > 1:
-        batch = shard_sequence(batch, parallel.sp_rank, parallel.sp_size)
-    batch = {k: v.to(parallel.device) for k, v in batch.items()}
+    batch = collate(samples, packed=True, pad_token_id=0, parallel=parallel)
 
     saved = {}
 
@@ -73,7 +70,7 @@ def worker(args) -> None:
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = token_nll_sum(model, batch, parallel.ulysses_group)
+            loss = token_nll_sum(model, batch.inputs, batch.targets["labels"], model_config.chunked_loss_tokens, parallel.ulysses_group)
         loss.backward()
         if parallel.device.type == "cuda":
             torch.cuda.synchronize()
@@ -85,7 +82,7 @@ def worker(args) -> None:
     times = [step() for _ in range(args.iters)]
     result = {
         "sp": parallel.sp_size,
-        "tokens_per_rank": batch["input_ids"].shape[1],
+        "tokens_per_rank": batch.inputs["input_ids"].shape[1],
         "step_s": statistics.median(times),
         "activation_mb": sum(saved.values()) / 2**20,
         "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if parallel.device.type == "cuda" else None,

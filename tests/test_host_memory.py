@@ -8,7 +8,7 @@ import pytest
 
 SCRIPT = """
 import sys, torch
-from fsdptrain.trainer.engine import keep_freed_host_memory
+from fsdptrain.trainer.runtime import keep_freed_host_memory
 if sys.argv[1] == "keep":
     keep_freed_host_memory()
 def anonymous_kb():

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from fsdptrain.data.batching import collate_packed, collate_padded
 from fsdptrain.data.dataset import Sample
+from fsdptrain.data.micro_batches import collate_packed, collate_padded
 from fsdptrain.models.attention import PACKED_ATTENTION, attend_packed, cu_seqlens_from_position_ids
-from fsdptrain.models.loss import add_nll_forward, token_nll_sum
+from fsdptrain.models.loss import token_nll_sum
 
 
 def samples(lengths, vocab, seed=0):
@@ -45,17 +45,19 @@ def test_packed_equals_padded(family_model):
     batch_samples = samples([7, 31, 1, 18, 64], min(packed_model.config.vocab_size, 1000))
     packed, padded = collate_packed(batch_samples), collate_padded(batch_samples, pad_token_id=0)
     with torch.no_grad():
-        packed_logits = packed_model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
-        padded_logits = padded_model(**{k: v for k, v in padded.items() if k != "labels"}).logits
+        packed_logits = packed_model(**packed.inputs).logits[0]
+        padded_logits = padded_model(**padded.inputs).logits
     start = 0
     for row, sample in enumerate(batch_samples):
         n = len(sample)
         torch.testing.assert_close(packed_logits[start : start + n], padded_logits[row, :n], atol=1e-5, rtol=1e-5)
         start += n
-    add_nll_forward(packed_model, chunk_tokens=16)  # the chunked loss on one side, full logits on the other
-    add_nll_forward(padded_model, chunk_tokens=0)
-    with torch.no_grad():
-        torch.testing.assert_close(token_nll_sum(packed_model, packed), token_nll_sum(padded_model, padded), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the chunked loss on one side, full logits on the other
+        torch.testing.assert_close(
+            token_nll_sum(packed_model, packed.inputs, packed.targets["labels"], chunk_tokens=16),
+            token_nll_sum(padded_model, padded.inputs, padded.targets["labels"], chunk_tokens=0),
+            atol=1e-5, rtol=1e-5,
+        )
 
 
 def test_sequences_do_not_see_each_other(tiny_llama):
@@ -64,8 +66,8 @@ def test_sequences_do_not_see_each_other(tiny_llama):
     a, b = samples([12, 9], model.config.vocab_size)
     b_changed = Sample(b.input_ids.flip(0), b.loss_mask)
     with torch.no_grad():
-        first = model(**{k: v for k, v in collate_packed([b, a]).items() if k != "labels"}).logits[0, 9:]
-        second = model(**{k: v for k, v in collate_packed([b_changed, a]).items() if k != "labels"}).logits[0, 9:]
+        first = model(**collate_packed([b, a]).inputs).logits[0, 9:]
+        second = model(**collate_packed([b_changed, a]).inputs).logits[0, 9:]
     torch.testing.assert_close(first, second, atol=1e-6, rtol=0)
 
 
@@ -73,7 +75,7 @@ def test_host_sequence_boundaries_reach_the_attention(tiny_llama):
     """Boundaries given as transformers' cu_seq_lens_q / max_length_q (as the trainer passes them) keep the
     sequences apart by themselves: with position_ids that do not restart, the logits still equal packing's."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=PACKED_ATTENTION, dtype=torch.float32)
-    batch = collate_packed(samples([12, 9, 30], model.config.vocab_size))
+    batch = collate_packed(samples([12, 9, 30], model.config.vocab_size)).inputs
     cu_seqlens = cu_seqlens_from_position_ids(batch["position_ids"])
     with torch.no_grad():
         expected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -104,8 +106,13 @@ def test_fallback_attention_equals_masked_reference():
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
-def test_labels_predict_the_next_loss_token():
-    s = Sample(torch.tensor([10, 11, 12, 13]), torch.tensor([0, 0, 1, 1]))
+def test_labels_and_token_values_move_to_the_position_that_predicts_their_token():
+    s = Sample(torch.tensor([10, 11, 12, 13]), torch.tensor([0, 0, 1, 1]), {"advantage": torch.tensor([0.0, 0.0, 0.5, 0.75])})
     batch = collate_packed([s, s], pad_to_multiple=3)
-    assert batch["labels"].tolist() == [[-100, 12, 13, -100, -100, 12, 13, -100, -100]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]
+    assert batch.targets["labels"].tolist() == [[-100, 12, 13, -100, -100, 12, 13, -100, -100]]
+    assert batch.targets["advantage"].tolist() == [[0.0, 0.5, 0.75, 0.0, 0.0, 0.5, 0.75, 0.0, 0.0]]
+    assert batch.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]
+    assert set(batch.inputs) == {"input_ids", "position_ids"}  # loss inputs never reach the model
+    padded = collate_padded([s, Sample(s.input_ids[:2], s.loss_mask[:2], {"advantage": s.token_values["advantage"][:2]})], 0)
+    assert padded.targets["labels"].tolist() == [[-100, 12, 13, -100], [-100, -100, -100, -100]]
+    assert padded.targets["advantage"].tolist() == [[0.0, 0.5, 0.75, 0.0], [0.0, 0.0, 0.0, 0.0]]

@@ -6,7 +6,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdptrain.distributed.fsdp import DTYPES
+from fsdptrain.config.schema import DTYPES
 
 # Config fields that must agree for a checkpoint's weights to fit a model.
 ARCHITECTURE_KEYS = (

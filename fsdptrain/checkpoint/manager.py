@@ -3,7 +3,8 @@
     {root}/latest_checkpointed_iteration.txt   the last complete step, written atomically after the rename
     {root}/global_step_{N}/meta.json            step, contents, world size
                           model/ optimizer/     torch.distributed.checkpoint shards (reshardable)
-                          extra/                scheduler, data position, config (state.pt), RNG per rank
+                          extra/                the trainer's state objects (scheduler, data position, ...)
+                                                and config (state.pt), RNG per rank
                           huggingface/          config, tokenizer, and safetensors weights with hf_model
 
 A save is written to `.global_step_{N}.tmp` and renamed only after every rank has finished, so a process
@@ -15,7 +16,7 @@ import os
 import random
 import re
 import shutil
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,17 +24,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.optim.lr_scheduler import LRScheduler
 from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.checkpoint.hf_export import ARCHITECTURE_KEYS, save_hf_folder
-from fsdptrain.config.schema import ConfigError, TrainerConfig
+from fsdptrain.config.schema import DTYPES, ConfigError, TrainerConfig
+from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.distributed.mesh import Parallel
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -84,15 +84,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class CheckpointManager:
+    """Checkpoints of one trained model and its optimizer, plus the trainer's `states` (the LR scheduler, a data
+    position, a KL controller: anything with state_dict/load_state_dict), saved by rank 0 under their names."""
+
     def __init__(
         self,
         config: TrainerConfig,
         parallel: Parallel,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: LRScheduler,
         tokenizer: PreTrainedTokenizerBase,
+        model_dtype: str,
+        states: dict[str, Stateful],
         run_config: dict,
     ):
         self.config = config
@@ -100,8 +110,9 @@ class CheckpointManager:
         self.parallel = parallel
         self.model = model
         self.optimizer = optimizer
-        self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.model_dtype = model_dtype
+        self.states = states
         self.run_config = run_config
         self.save_contents = list(config.checkpoint.save_contents)
         self.load_contents = list(config.checkpoint.load_contents or self.save_contents)
@@ -149,13 +160,20 @@ class CheckpointManager:
             self._run_everywhere(lambda: dcp.save(state, checkpoint_id=os.path.join(tmp, "optimizer")))
         if "extra" in self.save_contents:
             self._run_everywhere(lambda: torch.save(_rng_state(), os.path.join(tmp, "extra", f"rng_rank{self.parallel.rank}.pt")))
-            extra = {"global_step": step, "scheduler": self.scheduler.state_dict(), "config": self.run_config}
+            extra = {
+                "global_step": step,
+                "states": {name: state.state_dict() for name, state in self.states.items()},
+                "config": self.run_config,
+            }
             self._run_on_main(lambda: torch.save(extra, os.path.join(tmp, "extra", "state.pt")))
+        hf_dtype = self.config.checkpoint.hf_dtype or self.model_dtype
         full_state = None
         if "hf_model" in self.save_contents:
-            full_state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        model_dtype = self.run_config["model"]["fsdp_config"]["model_dtype"]
-        hf_dtype = self.config.checkpoint.hf_dtype or model_dtype
+            # Rank 0 keeps each full parameter in host memory as it arrives; the others drop theirs at once.
+            full_state = {}
+            for name, tensor in full_parameters(self.model, DTYPES[hf_dtype]):
+                if self.parallel.is_main:
+                    full_state[name] = tensor.cpu()
         self._run_on_main(
             lambda: save_hf_folder(
                 os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype
@@ -167,7 +185,7 @@ class CheckpointManager:
                 "global_step": step,
                 "contents": self.save_contents,
                 "world_size": self.parallel.world_size,
-                "model_dtype": model_dtype,
+                "model_dtype": self.model_dtype,
             }
             write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta))
             if os.path.exists(final):  # re-saving a step (a run resumed before it): replace it whole
@@ -240,7 +258,11 @@ class CheckpointManager:
         if "extra" not in self.load_contents:
             return 0
         extra = torch.load(os.path.join(path, "extra", "state.pt"), weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
+        missing = sorted(set(self.states) - set(extra["states"]))
+        if missing:
+            raise ConfigError(f"checkpoint {path} has no saved state for {missing} (it holds {sorted(extra['states'])})")
+        for name, state in self.states.items():
+            state.load_state_dict(extra["states"][name])
         rng_path = os.path.join(path, "extra", f"rng_rank{self.parallel.rank}.pt")
         if os.path.isfile(rng_path):  # absent when resuming on more ranks than saved
             _set_rng_state(torch.load(rng_path, weights_only=False))

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -40,6 +41,7 @@ class DataConfig:
     shuffle: bool
 
 
+# ---- sections both trainers share (SFT at the top level, GRPO under actor_rollout_ref.*) -----------------------
 @dataclass
 class MixedPrecisionConfig:
     param_dtype: str | None
@@ -56,12 +58,18 @@ class FSDPConfig:
 
 @dataclass
 class ModelConfig:
-    partial_pretrain: str
+    """How a model is built and its loss computed; the path and the FSDP section sit where each trainer keeps them."""
+
     trust_remote_code: bool
     enable_gradient_checkpointing: bool
-    strategy: str
     attn_implementation: str
     chunked_loss_tokens: int
+
+
+@dataclass
+class SFTModelConfig(ModelConfig):
+    partial_pretrain: str
+    strategy: str
     fsdp_config: FSDPConfig
 
 
@@ -86,6 +94,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class CpuSpeedupsConfig:
+    keep_freed_host_memory: bool
+    point_to_point_collectives: bool
+    tied_embedding_grad_in_place: bool
+
+
+@dataclass
 class TrainerConfig:
     default_local_dir: str
     project_name: str
@@ -102,20 +117,42 @@ class TrainerConfig:
     seed: int
     device: str
     profile_step: int | None
-    keep_freed_host_memory: bool
+    cpu_speedups: CpuSpeedupsConfig
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one rank's share of a batch is cut into forward passes, with the keys it came from (SFT and GRPO
+    name them differently) so that errors name the user's key."""
+
+    size: int
+    dynamic: bool
+    max_tokens: int | None
+    size_key: str
+    dynamic_key: str
+    max_tokens_key: str
 
 
 @dataclass
 class SFTConfig:
     data: DataConfig
-    model: ModelConfig
+    model: SFTModelConfig
     optim: OptimConfig
     trainer: TrainerConfig
     use_remove_padding: bool
     ulysses_sequence_parallel_size: int
 
+    @property
+    def micro_batching(self) -> MicroBatching:
+        data = self.data
+        return MicroBatching(
+            data.micro_batch_size_per_gpu, data.use_dynamic_bsz, data.max_token_len_per_gpu,
+            "data.micro_batch_size_per_gpu", "data.use_dynamic_bsz", "data.max_token_len_per_gpu",
+        )
 
-DTYPES = ("fp32", "bf16")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = tuple(DTYPES)
 LOGGERS = ("console", "file", "wandb", "tensorboard")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
@@ -154,36 +191,34 @@ def to_typed(cfg: DictConfig, schema: type) -> Any:
         raise ConfigError(f"{key}: {getattr(e, 'msg', str(e)).splitlines()[0]}") from None
 
 
-def validate_model(model: ModelConfig) -> None:
-    if not model.partial_pretrain:
-        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder")
-    if model.strategy != "fsdp2":
-        raise ConfigError(f"model.strategy must be fsdp2 (the only strategy fsdptrain implements), got {model.strategy!r}")
-    _one_of("model.attn_implementation", model.attn_implementation, ("auto", "sdpa", "eager", "flash_attention_2"))
+def validate_model(model: ModelConfig, prefix: str) -> None:
+    _one_of(f"{prefix}.attn_implementation", model.attn_implementation, ("auto", "sdpa", "eager", "flash_attention_2"))
     if model.chunked_loss_tokens < 0:
-        raise ConfigError(f"model.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
-    _one_of("model.fsdp_config.model_dtype", model.fsdp_config.model_dtype, DTYPES)
-    mp = model.fsdp_config.mixed_precision
-    _one_of("model.fsdp_config.mixed_precision.param_dtype", mp.param_dtype, DTYPES + (None,))
-    _one_of("model.fsdp_config.mixed_precision.reduce_dtype", mp.reduce_dtype, DTYPES)
+        raise ConfigError(f"{prefix}.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
 
 
-def validate_optim(optim: OptimConfig) -> None:
-    _positive("optim.lr", optim.lr)
+def validate_fsdp(fsdp: FSDPConfig, prefix: str) -> None:
+    _one_of(f"{prefix}.model_dtype", fsdp.model_dtype, DTYPE_NAMES)
+    _one_of(f"{prefix}.mixed_precision.param_dtype", fsdp.mixed_precision.param_dtype, DTYPE_NAMES + (None,))
+    _one_of(f"{prefix}.mixed_precision.reduce_dtype", fsdp.mixed_precision.reduce_dtype, DTYPE_NAMES)
+
+
+def validate_optim(optim: OptimConfig, prefix: str) -> None:
+    _positive(f"{prefix}.lr", optim.lr)
     if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
-        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {optim.betas!r}")
+        raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1), got {optim.betas!r}")
     if optim.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay must be >= 0, got {optim.weight_decay!r}")
-    _positive("optim.clip_grad", optim.clip_grad)
+        raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay!r}")
+    _positive(f"{prefix}.clip_grad", optim.clip_grad)
     if not 0 <= optim.lr_warmup_steps_ratio <= 1:
-        raise ConfigError(f"optim.lr_warmup_steps_ratio must be in [0, 1], got {optim.lr_warmup_steps_ratio!r}")
+        raise ConfigError(f"{prefix}.lr_warmup_steps_ratio must be in [0, 1], got {optim.lr_warmup_steps_ratio!r}")
     if optim.lr_warmup_steps is not None and optim.lr_warmup_steps < 0:
-        raise ConfigError(f"optim.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps!r}")
-    _one_of("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "wsd", "constant"))
+        raise ConfigError(f"{prefix}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps!r}")
+    _one_of(f"{prefix}.lr_scheduler", optim.lr_scheduler, ("cosine", "wsd", "constant"))
     if not 0 <= optim.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
+        raise ConfigError(f"{prefix}.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
     if not 0 < optim.wsd_decay_ratio <= 1:
-        raise ConfigError(f"optim.wsd_decay_ratio must be in (0, 1], got {optim.wsd_decay_ratio!r}")
+        raise ConfigError(f"{prefix}.wsd_decay_ratio must be in (0, 1], got {optim.wsd_decay_ratio!r}")
 
 
 def validate_trainer(trainer: TrainerConfig) -> None:
@@ -202,11 +237,23 @@ def validate_trainer(trainer: TrainerConfig) -> None:
     ):
         for item in contents:
             _one_of(key, item, CHECKPOINT_CONTENTS)
-    _one_of("trainer.checkpoint.hf_dtype", trainer.checkpoint.hf_dtype, DTYPES + (None,))
+    _one_of("trainer.checkpoint.hf_dtype", trainer.checkpoint.hf_dtype, DTYPE_NAMES + (None,))
     for name in trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
     _one_of("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
     _positive("trainer.profile_step", trainer.profile_step, allow_none=True)
+
+
+def validate_micro_batching(batching: MicroBatching, max_length: int, max_length_key: str) -> None:
+    _positive(batching.size_key, batching.size)
+    if batching.dynamic:
+        if batching.max_tokens is None:
+            raise ConfigError(f"{batching.max_tokens_key} is required when {batching.dynamic_key}=true")
+        if batching.max_tokens < max_length:
+            raise ConfigError(
+                f"{batching.max_tokens_key} ({batching.max_tokens}) must be >= {max_length_key} ({max_length}) "
+                "so that every sample fits one micro-batch"
+            )
 
 
 def validate_data(data: DataConfig) -> None:
@@ -217,39 +264,40 @@ def validate_data(data: DataConfig) -> None:
     _positive("data.max_length", data.max_length)
     _one_of("data.truncation", data.truncation, ("error", "left", "right"))
     _positive("data.train_batch_size", data.train_batch_size)
-    _positive("data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu)
-    if data.use_dynamic_bsz:
-        if data.max_token_len_per_gpu is None:
-            raise ConfigError("data.max_token_len_per_gpu is required when data.use_dynamic_bsz=true")
-        if data.max_token_len_per_gpu < data.max_length:
-            raise ConfigError(
-                f"data.max_token_len_per_gpu ({data.max_token_len_per_gpu}) must be >= data.max_length "
-                f"({data.max_length}) so that every sample fits one micro-batch"
-            )
+
+
+def validate_sequence_parallel(sp_size: int, packed: bool, sp_key: str, packed_key: str) -> None:
+    _positive(sp_key, sp_size)
+    if sp_size > 1 and not packed:
+        raise ConfigError(f"{sp_key} > 1 needs {packed_key}=true (it splits packed rows)")
 
 
 def load_sft_config(cfg: DictConfig) -> SFTConfig:
     """Type-check and validate an SFT config; every error names its key."""
     config: SFTConfig = to_typed(cfg, SFTConfig)
     validate_data(config.data)
-    validate_model(config.model)
-    validate_optim(config.optim)
+    validate_micro_batching(config.micro_batching, config.data.max_length, "data.max_length")
+    if not config.model.partial_pretrain:
+        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder")
+    if config.model.strategy != "fsdp2":
+        raise ConfigError(f"model.strategy must be fsdp2 (the only strategy fsdptrain implements), got {config.model.strategy!r}")
+    validate_model(config.model, "model")
+    validate_fsdp(config.model.fsdp_config, "model.fsdp_config")
+    validate_optim(config.optim, "optim")
     validate_trainer(config.trainer)
-    _positive("ulysses_sequence_parallel_size", config.ulysses_sequence_parallel_size)
-    if config.ulysses_sequence_parallel_size > 1 and not config.use_remove_padding:
-        raise ConfigError("ulysses_sequence_parallel_size > 1 needs use_remove_padding=true (it splits packed rows)")
+    validate_sequence_parallel(
+        config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size", "use_remove_padding"
+    )
     return config
 
 
-def check_batch_layout(data: DataConfig, dp_size: int) -> None:
+def check_batch_layout(batch_size: int, batch_size_key: str, batching: MicroBatching, dp_size: int) -> None:
     """Sizes that depend on the number of data-parallel ranks, checked once the world is known."""
-    if data.train_batch_size % dp_size:
+    if batch_size % dp_size:
+        raise ConfigError(f"{batch_size_key} ({batch_size}) must be divisible by the data-parallel size ({dp_size})")
+    per_rank = batch_size // dp_size
+    if not batching.dynamic and per_rank % batching.size:
         raise ConfigError(
-            f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size})"
-        )
-    per_rank = data.train_batch_size // dp_size
-    if not data.use_dynamic_bsz and per_rank % data.micro_batch_size_per_gpu:
-        raise ConfigError(
-            f"data.train_batch_size / dp = {data.train_batch_size} / {dp_size} = {per_rank} samples per rank "
-            f"must be divisible by data.micro_batch_size_per_gpu ({data.micro_batch_size_per_gpu})"
+            f"{batch_size_key} / dp = {batch_size} / {dp_size} = {per_rank} samples per rank "
+            f"must be divisible by {batching.size_key} ({batching.size})"
         )

@@ -1,4 +1,4 @@
-"""Global batches, their split over data-parallel ranks and micro-batches, and collation.
+"""Global batches and their split over data-parallel ranks and micro-batches.
 
 A training step's samples depend only on (seed, epoch, batch index), never on the number of ranks, so a run
 resumed at another data-parallel size continues the same data order.
@@ -9,8 +9,6 @@ from collections.abc import Sequence
 import torch
 
 from fsdptrain.data.dataset import Sample
-
-IGNORE_INDEX = -100
 
 
 def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
@@ -76,50 +74,3 @@ def min_token_micro_batches(lengths: Sequence[int], max_tokens: int) -> int:
 def split_by_tokens(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     groups = balanced_partition([len(s) for s in samples], parts)
     return [[samples[i] for i in group] for group in groups]
-
-
-def _labels(sample: Sample) -> torch.Tensor:
-    """Next-token targets: position t predicts token t+1 where that token is a loss token."""
-    labels = torch.full_like(sample.input_ids, IGNORE_INDEX)
-    targets = sample.input_ids[1:]
-    labels[:-1] = torch.where(sample.loss_mask[1:].bool(), targets, IGNORE_INDEX)
-    return labels
-
-
-def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """One row of concatenated samples; position_ids restart at 0 at each sample start.
-
-    With `pad_to_multiple` > 1 the row is padded at the end by a segment whose labels are ignored.
-    """
-    ids = [s.input_ids for s in samples]
-    positions = [torch.arange(len(s)) for s in samples]
-    labels = [_labels(s) for s in samples]
-    total = sum(len(s) for s in samples)
-    pad = -total % pad_to_multiple
-    if pad:
-        ids.append(torch.zeros(pad, dtype=torch.long))
-        positions.append(torch.arange(pad))
-        labels.append(torch.full((pad,), IGNORE_INDEX))
-    return {
-        "input_ids": torch.cat(ids)[None],
-        "position_ids": torch.cat(positions)[None],
-        "labels": torch.cat(labels)[None],
-    }
-
-
-def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """A (batch, longest) batch padded on the right, with its attention mask."""
-    width = max(len(s) for s in samples)
-    batch = {
-        "input_ids": torch.full((len(samples), width), pad_token_id, dtype=torch.long),
-        "attention_mask": torch.zeros((len(samples), width), dtype=torch.long),
-        "position_ids": torch.zeros((len(samples), width), dtype=torch.long),
-        "labels": torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long),
-    }
-    for row, sample in enumerate(samples):
-        n = len(sample)
-        batch["input_ids"][row, :n] = sample.input_ids
-        batch["attention_mask"][row, :n] = 1
-        batch["position_ids"][row, :n] = torch.arange(n)
-        batch["labels"][row, :n] = _labels(sample)
-    return batch

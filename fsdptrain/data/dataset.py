@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 import torch
@@ -20,6 +20,9 @@ class DataError(ValueError):
 class Sample:
     input_ids: torch.Tensor  # (length,) int64
     loss_mask: torch.Tensor  # (length,) int64, 1 where the token is a training target
+    # Per-token loss inputs aligned with input_ids (an RL advantage, an old log-prob): collation shifts them
+    # like the labels, so each sits at the position that predicts its token.
+    token_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.input_ids.numel()

@@ -1,15 +1,15 @@
 """FSDP2 applied to a plain Hugging Face causal LM: one group per decoder layer, one for an untied input
 embedding, then the root (final norm, output layer, and the embedding when it is tied to the output layer)."""
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from fsdptrain.config.schema import FSDPConfig
-from fsdptrain.distributed.gloo_comms import use_gloo_comms
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from fsdptrain.config.schema import DTYPES, FSDPConfig
 
 
 def decoder_layers(model: nn.Module) -> list:
@@ -47,5 +47,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: t
     if not embeddings_tied(model):
         fully_shard(model.get_input_embeddings(), **kwargs)
     fully_shard(model, **kwargs)
-    if device.type == "cpu":
-        use_gloo_comms(model)
+
+
+def full_parameters(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for each parameter of a sharded model, one at a time, cast to `dtype` if given.
+
+    Each parameter is all-gathered on its own, so at most one full parameter exists beside the shards (a consumer
+    that keeps them, like the HF export, decides what it holds). Every rank must iterate: each step is a
+    collective. A tied weight comes once, under its first name.
+    """
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            mesh_device = param.device_mesh.device_type
+            if local.device.type != mesh_device:  # offloaded shards travel through the collective's device
+                local = local.to(mesh_device)
+            param = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+            full = param.full_tensor()
+        else:
+            full = param.detach()
+        yield name, full if dtype is None else full.to(dtype)

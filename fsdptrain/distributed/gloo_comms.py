@@ -108,14 +108,17 @@ class PointToPointAllGather:
         _exchange(group, to_send=lambda peer: input_tensor, receive_into=lambda peer: shards[peer])
 
 
-def use_gloo_comms(model: nn.Module) -> None:
+def use_gloo_comms(model: nn.Module, shard_ranks: int) -> str | None:
     """Give every FSDP group of `model` the comms above, one shared instance of each (groups communicate one
-    after another). A torch without FSDP2's custom comms keeps the defaults."""
+    after another). Returns why they were not given (one rank has nothing to exchange; a torch without FSDP2's
+    custom comms), or None."""
+    if shard_ranks == 1:
+        return "one rank has nothing to exchange"
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not groups or not hasattr(groups[0], "set_custom_reduce_scatter") or not hasattr(groups[0], "set_custom_all_gather"):
+        return f"torch {torch.__version__} has no FSDP2 custom collectives (set_custom_reduce_scatter/all_gather)"
     reduce_scatter, all_gather = PointToPointReduceScatter(), PointToPointAllGather()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        if hasattr(module, "set_custom_reduce_scatter"):
-            module.set_custom_reduce_scatter(reduce_scatter)
-        if hasattr(module, "set_custom_all_gather"):
-            module.set_custom_all_gather(all_gather)
+    for module in groups:
+        module.set_custom_reduce_scatter(reduce_scatter)
+        module.set_custom_all_gather(all_gather)
+    return None

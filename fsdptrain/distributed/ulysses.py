@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """This rank's slice of every (1, T) tensor; T must be a multiple of `size`."""
-    chunk = batch["input_ids"].shape[1] // size
+    chunk = next(iter(batch.values())).shape[1] // size
     return {k: v[:, rank * chunk : (rank + 1) * chunk] for k, v in batch.items()}
 
 

@@ -24,18 +24,16 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fsdptrain.config.schema import ConfigError, ModelConfig
-from fsdptrain.distributed.fsdp import DTYPES, apply_fsdp, embeddings_tied
+from fsdptrain.config.schema import DTYPES, ConfigError, FSDPConfig, ModelConfig
+from fsdptrain.distributed.fsdp import apply_fsdp, embeddings_tied
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.models.attention import PACKED_ATTENTION
-from fsdptrain.models.loss import add_nll_forward
 
 
-def load_model_config(config: ModelConfig, sp_size: int) -> PretrainedConfig:
+def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: int) -> PretrainedConfig:
     """The folder's model config, checked against the parallel layout before anything heavy is loaded."""
-    path = config.partial_pretrain
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model.partial_pretrain={path!r} is not a Hugging Face model folder (no config.json)")
+        raise ConfigError(f"{path_key}={path!r} is not a Hugging Face model folder (no config.json)")
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     if hf_config.num_attention_heads % sp_size:
         raise ConfigError(
@@ -45,10 +43,10 @@ def load_model_config(config: ModelConfig, sp_size: int) -> PretrainedConfig:
     return hf_config
 
 
-def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(config.partial_pretrain, trust_remote_code=config.trust_remote_code)
+def load_tokenizer(path: str, path_key: str, config: ModelConfig) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     if not tokenizer.is_fast:
-        raise ConfigError(f"model.partial_pretrain={config.partial_pretrain!r}: a fast tokenizer is required")
+        raise ConfigError(f"{path_key}={path!r}: a fast tokenizer is required")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -80,7 +78,7 @@ def _embed_rows_into_weight_grad(embedding: nn.Embedding, input_ids: torch.Tenso
     return hidden
 
 
-def tied_embedding_grad_in_place(model: nn.Module) -> None:
+def tied_embedding_grad_in_place(model: nn.Module) -> bool:
     """Where the input embedding shares its weight with the output layer, let it add its gradient rows into the
     weight's gradient in place.
 
@@ -89,47 +87,54 @@ def tied_embedding_grad_in_place(model: nn.Module) -> None:
     way a fresh full-size buffer per backward, which on CPU is a page-faulting pass. Here the lookup reads a
     detached weight and a hook on its output adds the rows into `weight.grad` (the output layer's gradient is
     already there: autograd runs a leaf's accumulation as soon as it is ready, and adds into it in any order).
+    Returns whether the model has such an embedding.
     """
     embedding = model.get_input_embeddings()
     if type(embedding) is nn.Embedding and embedding.max_norm is None and not embedding.scale_grad_by_freq and embeddings_tied(model):
         embedding.forward = MethodType(_embed_rows_into_weight_grad, embedding)
+        return True
+    return False
 
 
-def build_model(config: ModelConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool) -> nn.Module:
-    """The sharded model, with the pretrained weights, on `parallel.device` (or CPU with offload)."""
-    dtype = DTYPES[config.fsdp_config.model_dtype]
+def build_model(
+    path: str, config: ModelConfig, fsdp: FSDPConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool, trainable: bool
+) -> nn.Module:
+    """The sharded model with the pretrained weights of `path`, on `parallel.device` (or CPU with offload).
+
+    A frozen model (`trainable=False`, e.g. a reference policy) has no gradients and runs in eval mode; with
+    `fsdp.cpu_offload` its parameters stay in host memory between uses.
+    """
+    dtype = DTYPES[fsdp.model_dtype]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             hf_config,
             attn_implementation=attention_implementation(config, packed),
             trust_remote_code=config.trust_remote_code,
         ).to(dtype)
-    if os.path.isfile(os.path.join(config.partial_pretrain, "generation_config.json")):
-        model.generation_config = GenerationConfig.from_pretrained(config.partial_pretrain)
-    if config.enable_gradient_checkpointing:  # transformers 5 renamed the method; 4.x has only the old name
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    elif config.enable_gradient_checkpointing:  # transformers 5 renamed the method; 4.x has only the old name
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if parallel.device.type == "cpu":
-        tied_embedding_grad_in_place(model)
-    apply_fsdp(model, parallel.fsdp_mesh, config.fsdp_config, parallel.device)
-    add_nll_forward(model, config.chunked_loss_tokens)
-    model.to_empty(device="cpu" if config.fsdp_config.cpu_offload else parallel.device)
+    apply_fsdp(model, parallel.fsdp_mesh, fsdp, parallel.device)
+    model.to_empty(device="cpu" if fsdp.cpu_offload else parallel.device)
 
     pretrained = None
     if parallel.is_main:
-        pretrained = AutoModelForCausalLM.from_pretrained(
-            config.partial_pretrain, dtype=dtype, trust_remote_code=config.trust_remote_code
-        )
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=config.fsdp_config.cpu_offload)
+        pretrained = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=config.trust_remote_code)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=fsdp.cpu_offload)
     set_model_state_dict(model, pretrained.state_dict() if pretrained is not None else {}, options=options)
     reference_buffers = dict(pretrained.named_buffers()) if pretrained is not None else {}
     for name, buffer in model.named_buffers():
         if parallel.is_main:
             buffer.copy_(reference_buffers[name])
         dist.broadcast(buffer, src=0)
-    if config.fsdp_config.cpu_offload:  # parameters live on CPU, but the forward needs its buffers on the device
+    if fsdp.cpu_offload:  # parameters live on CPU, but the forward needs its buffers on the device
         for module in model.modules():
             for name, buffer in list(module.named_buffers(recurse=False)):
                 setattr(module, name, buffer.to(parallel.device))

@@ -1,17 +1,26 @@
-"""Token-level negative log-likelihood of a causal LM: the one place both trainers compute it.
+"""Token-level losses of a causal LM from its output layer: the one place both trainers compute them.
 
-The chunked path never holds the (tokens x vocab) logits: it runs the backbone to the last hidden state, keeps
-the positions that have a target (prompt tokens need no logits: in chat SFT that skips most of the output
-layer's work) and applies the output layer to them chunk by chunk, so the loss stage peaks at one chunk's
-logits. The loss is a sum, so each chunk's gradients (hidden state and output layer) are computed in the same
-pass as its loss, and the backward only scales them: the logits are never recomputed (activation
-checkpointing would compute the output layer's forward twice). Models that transform logits after the output
-layer (soft-capping, scaling) take the full-logits path, which is also the reference the chunked one is tested
-against.
+Two quantities, both over the positions whose label is not IGNORE_INDEX:
+- `token_nll_sum`: the summed cross-entropy (SFT). Its chunked kernel computes each chunk's gradients in the
+  same pass as its loss, since the upstream gradient of a sum is one scalar: the backward only scales them, and
+  the logits are never recomputed.
+- `token_log_probs`: per-token log-probs at a temperature, optionally with each position's entropy (RL). Their
+  upstream gradient differs per token (ratios, clipping, advantages), so the chunked kernel keeps nothing but its
+  inputs and recomputes each chunk's logits in the backward.
+
+The chunked paths run the backbone to the last hidden state, keep the positions that have a target (prompt
+tokens need no logits) and apply the output layer chunk by chunk, never holding the (tokens x vocab) logits.
+Models that transform logits after the output layer (soft-capping, scaling) take the full-logits path, which is
+also the reference the chunked one is tested against.
+
+Losses take the model and its inputs; nothing is attached to the model but one FSDP forward method, registered
+on first use, that runs the backbone and hands the hidden state and the output weight to the loss: FSDP gathers
+the root's parameters (embeddings, final norm, output layer) around it as it does around `forward`.
 """
 
-from functools import partial
+from collections.abc import Callable
 from types import MethodType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +28,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from fsdptrain.data.batching import IGNORE_INDEX
+IGNORE_INDEX = -100
+HEAD_METHOD = "fsdptrain_forward_head"
 
-NLL_METHOD = "fsdptrain_nll_sum"
 
-
+# ---- kernels over (tokens, hidden) and the output weight ----------------------------------------------------------
 def _loss_and_grads(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, grad_hidden: bool, grad_weight: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -78,35 +87,125 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     return _loss_and_grads(hidden, weight, labels, chunk_tokens, grad_hidden=False, grad_weight=False)[0]
 
 
-def _supports_chunking(model: nn.Module) -> bool:
+def _chunk_log_probs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log-softmax of one chunk's logits / temperature, and each target's log-prob."""
+    log_softmax = (F.linear(h, weight).float() / temperature).log_softmax(dim=1)
+    return log_softmax, log_softmax.gather(1, targets[:, None]).squeeze(1)
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, with_entropy):
+        log_probs = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(len(targets) if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for rows in torch.arange(len(targets), device=hidden.device).split(chunk_tokens):
+            log_softmax, log_probs[rows] = _chunk_log_probs(hidden[rows], weight, targets[rows], temperature)
+            if with_entropy:
+                entropy[rows] = -(log_softmax.exp() * log_softmax).sum(dim=1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, log_probs_grad: torch.Tensor, entropy_grad: torch.Tensor):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.needs_input_grad[:2]
+        hidden_grad = torch.zeros_like(hidden) if grad_hidden else None
+        weight_grad = torch.zeros_like(weight) if grad_weight else None
+        with_entropy = entropy_grad is not None and entropy_grad.numel() > 0
+        for rows in torch.arange(len(targets), device=hidden.device).split(ctx.chunk_tokens):
+            h, y = hidden[rows], targets[rows]
+            log_softmax, _ = _chunk_log_probs(h, weight, y, ctx.temperature)
+            probs = log_softmax.exp()
+            # d log p_y / dz = onehot(y) - p;  d H / dz = -p * (log p + H), with z = logits / temperature
+            z_grad = probs * -log_probs_grad[rows, None]
+            z_grad[torch.arange(len(y), device=y.device), y] += log_probs_grad[rows]
+            if with_entropy:
+                entropy = -(probs * log_softmax).sum(dim=1, keepdim=True)
+                z_grad -= probs * (log_softmax + entropy) * entropy_grad[rows, None]
+            logits_grad = (z_grad / ctx.temperature).to(h.dtype)
+            if grad_hidden:
+                hidden_grad[rows] = logits_grad @ weight
+            if grad_weight:
+                weight_grad.addmm_(logits_grad.T, h)
+        return hidden_grad, weight_grad, None, None, None, None
+
+
+def chunked_token_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(hidden[t] @ weight.T / temperature)[targets[t]] for every row t, fp32, shape (T,); with
+    `with_entropy` also the entropy of each row's distribution (else None). The backward takes any per-token
+    upstream gradient and recomputes the logits chunk by chunk."""
+    log_probs, entropy = _ChunkedTokenLogProbs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy)
+    return log_probs, entropy if with_entropy else None
+
+
+# ---- the model's side: backbone, then a loss over the output layer ------------------------------------------------
+def _forward_head(self: nn.Module, head: Callable[[torch.Tensor, torch.Tensor], Any], **inputs) -> Any:
+    hidden = self.base_model(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)
+    return head(hidden, self.get_output_embeddings().weight)
+
+
+def forward_head(model: nn.Module, inputs: dict[str, Any], head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+    """head(last hidden state (T, H) of the flattened batch, output weight (V, H)), inside FSDP's gathered region."""
+    if HEAD_METHOD not in vars(model):
+        setattr(model, HEAD_METHOD, MethodType(_forward_head, model))
+        register_fsdp_forward_method(model, HEAD_METHOD)  # does nothing on a plain module
+    return getattr(model, HEAD_METHOD)(head, **inputs)
+
+
+def supports_chunking(model: nn.Module) -> bool:
     config = model.config
     return not getattr(config, "final_logit_softcapping", None) and getattr(config, "logit_scale", None) in (None, 1.0)
 
 
-def _nll_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **inputs) -> torch.Tensor:
-    if chunk_tokens and _supports_chunking(model):
-        hidden = model.base_model(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)
-        return chunked_cross_entropy_sum(hidden, model.get_output_embeddings().weight, labels.flatten(), chunk_tokens)
-    logits = model(**inputs, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+def _with_sp(inputs: dict[str, Any], sp_group: ProcessGroup | None) -> dict[str, Any]:
+    return inputs if sp_group is None else {**inputs, "sp_group": sp_group}
 
 
-def add_nll_forward(model: nn.Module, chunk_tokens: int) -> None:
-    """Give `model` the loss method token_nll_sum calls (chunked when chunk_tokens > 0).
-
-    Registered as an FSDP forward method, so FSDP gathers the root's parameters (embeddings, final norm,
-    output layer) around it as it does around `forward`; on a plain module the registration does nothing.
-    """
-    setattr(model, NLL_METHOD, MethodType(partial(_nll_sum, chunk_tokens=chunk_tokens), model))
-    register_fsdp_forward_method(model, NLL_METHOD)
-
-
-def token_nll_sum(model: nn.Module, batch: dict[str, torch.Tensor], sp_group: ProcessGroup | None = None) -> torch.Tensor:
-    """Summed cross-entropy (fp32) over the positions whose label is not IGNORE_INDEX.
+def token_nll_sum(
+    model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int, sp_group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Summed cross-entropy (fp32) over the positions whose label is not IGNORE_INDEX; chunked when chunk_tokens > 0.
 
     With `sp_group` the batch is this rank's sequence slice and the sum covers that slice only.
     """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    if sp_group is not None:
-        inputs["sp_group"] = sp_group
-    return getattr(model, NLL_METHOD)(batch["labels"], **inputs)
+    inputs = _with_sp(inputs, sp_group)
+    labels = labels.flatten()
+    if chunk_tokens and supports_chunking(model):
+        return forward_head(model, inputs, lambda hidden, weight: chunked_cross_entropy_sum(hidden, weight, labels, chunk_tokens))
+    logits = model(**inputs, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def token_log_probs(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    sp_group: ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-position log-prob of each label at `temperature` (fp32, the flattened batch's shape (T,), 0 where the
+    label is IGNORE_INDEX), and with `with_entropy` each position's entropy (0 there too), else None."""
+    inputs = _with_sp(inputs, sp_group)
+    labels = labels.flatten()
+    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+
+    def scatter(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        return torch.zeros(len(labels), dtype=values.dtype, device=values.device).index_put((rows,), values)
+
+    if chunk_tokens and supports_chunking(model):
+        def head(hidden: torch.Tensor, weight: torch.Tensor):
+            return chunked_token_log_probs(hidden[rows], weight, labels[rows], temperature, chunk_tokens, with_entropy)
+        log_probs, entropy = forward_head(model, inputs, head)
+    else:
+        logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[rows].float() / temperature
+        log_softmax = logits.log_softmax(dim=1)
+        log_probs = log_softmax.gather(1, labels[rows, None]).squeeze(1)
+        entropy = -(log_softmax.exp() * log_softmax).sum(dim=1) if with_entropy else None
+    return scatter(log_probs), scatter(entropy)

@@ -1,36 +1,24 @@
-"""Supervised fine-tuning: the step loop on top of the shared engine."""
+"""Supervised fine-tuning: the step loop on top of the shared set-up."""
 
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fsdptrain.checkpoint.manager import CheckpointManager
 from fsdptrain.config.schema import ConfigError, SFTConfig, check_batch_layout
 from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, load_sft_samples
-from fsdptrain.distributed.mesh import Parallel, init_parallel
-from fsdptrain.logging.metrics import MetricLogger, progress_bar
+from fsdptrain.data.micro_batches import collate, loss_tokens, plan_micro_batches
+from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.reductions import all_reduce_sum, dp_all_reduce_sum, max_over_ranks, once_per_sp_group
 from fsdptrain.logging.profiler import profile_step
-from fsdptrain.models.loading import build_model, load_model_config, load_tokenizer
+from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
-from fsdptrain.trainer.engine import (
-    all_reduce_sum,
-    collate,
-    dp_all_reduce_sum,
-    keep_freed_host_memory,
-    loss_tokens,
-    max_over_ranks,
-    once_per_sp_group,
-    peak_memory_gb,
-    plan_micro_batches,
-    quiet_non_main,
-    seed_everything,
-)
-from fsdptrain.trainer.optim import build_optimizer, build_scheduler, clipped_step
+from fsdptrain.trainer.optim import clipped_step
+from fsdptrain.trainer.runtime import peak_memory_gb
+from fsdptrain.trainer.setup import open_run, start_run
 
 
 def train_step(
@@ -46,14 +34,13 @@ def train_step(
     world size. balance_dp_token=true: every loss token of the step weighs 1 / (its global count).
     false: verl's mean over micro-batches and DP ranks of each micro-batch's token mean.
     """
-    packed = config.use_remove_padding
     global_tokens = dp_all_reduce_sum(sum(loss_tokens(mb) for mb in micro_batches), parallel)
     # The nll sum stays on the device until the end: reading it after each backward would make the host wait for
     # the GPU before collating the next micro-batch, leaving the GPU idle meanwhile.
     nll_total, tokens_total, seen = torch.zeros((), device=parallel.device), 0, 0
     for micro_batch in micro_batches:
-        batch = collate(micro_batch, packed, pad_token_id, parallel)
-        nll = token_nll_sum(model, batch, parallel.ulysses_group)
+        batch = collate(micro_batch, config.use_remove_padding, pad_token_id, parallel)
+        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], config.model.chunked_loss_tokens, parallel.ulysses_group)
         tokens = loss_tokens(micro_batch)
         if config.data.balance_dp_token:
             denominator = max(global_tokens, 1.0)
@@ -72,10 +59,10 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
     model.eval()
     mine = list(samples[parallel.dp_rank :: parallel.dp_size])
     nll_total, tokens_total = 0.0, 0
-    for micro_batch in plan_micro_batches(mine, config.data, parallel):
+    for micro_batch in plan_micro_batches(mine, config.micro_batching, parallel):
         # A rank with fewer micro-batches still runs a forward (FSDP needs every rank), on a sample it discards.
         batch = collate(micro_batch or samples[:1], config.use_remove_padding, pad_token_id, parallel)
-        nll = token_nll_sum(model, batch, parallel.ulysses_group)
+        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], config.model.chunked_loss_tokens, parallel.ulysses_group)
         if micro_batch is not None:
             nll_total += float(nll)
             tokens_total += loss_tokens(micro_batch)
@@ -85,15 +72,11 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
 
 
 def run_sft(config: SFTConfig) -> None:
-    parallel = init_parallel(config.trainer.device, config.ulysses_sequence_parallel_size)
-    quiet_non_main(parallel)
-    if config.trainer.keep_freed_host_memory and (parallel.device.type == "cpu" or config.model.fsdp_config.cpu_offload):
-        keep_freed_host_memory()
-    check_batch_layout(config.data, parallel.dp_size)
-    hf_config = load_model_config(config.model, parallel.sp_size)
-    seed_everything(config.trainer.seed)
-
-    tokenizer = load_tokenizer(config.model)
+    parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size)
+    check_batch_layout(config.data.train_batch_size, "data.train_batch_size", config.micro_batching, parallel.dp_size)
+    path = config.model.partial_pretrain
+    hf_config = load_model_config(path, "model.partial_pretrain", config.model, parallel.sp_size)
+    tokenizer = load_tokenizer(path, "model.partial_pretrain", config.model)
     train = load_sft_samples(config.data.train_files, tokenizer, config.data)
     val = load_sft_samples(config.data.val_files, tokenizer, config.data) if config.data.val_files else []
     steps_per_epoch = len(train) // config.data.train_batch_size
@@ -103,22 +86,11 @@ def run_sft(config: SFTConfig) -> None:
         )
     total_steps = config.trainer.total_training_steps or config.trainer.total_epochs * steps_per_epoch
 
-    model = build_model(config.model, hf_config, parallel, packed=config.use_remove_padding)
-    optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.optim, total_steps)
-    checkpoints = CheckpointManager(config.trainer, parallel, model, optimizer, scheduler, tokenizer, asdict(config))
-    step = checkpoints.resume()
-    logger = MetricLogger(
-        config.trainer.logger,
-        config.trainer.default_local_dir,
-        config.trainer.project_name,
-        config.trainer.experiment_name,
-        asdict(config),
-        parallel.is_main,
-        resume_step=step,
+    run = open_run(
+        parallel, config.trainer, path, config.model, config.model.fsdp_config, config.optim, hf_config, tokenizer,
+        packed=config.use_remove_padding, total_steps=total_steps, run_config=asdict(config),
     )
-    bar = progress_bar(total_steps, step, parallel.is_main)
-    model.train()
+    model, step = run.model, run.step
     batches, batches_epoch = [], -1
     while step < total_steps:
         epoch, index = divmod(step, steps_per_epoch)
@@ -126,10 +98,11 @@ def run_sft(config: SFTConfig) -> None:
             batches, batches_epoch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle), epoch
         mine = rank_share([train[i] for i in batches[index]], parallel.dp_rank, parallel.dp_size)
         start = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
+        lr = run.scheduler.get_last_lr()[0]
         with profile_step(step + 1 == config.trainer.profile_step, step + 1, config.trainer.default_local_dir, parallel.rank):
-            local = train_step(model, plan_micro_batches(mine, config.data, parallel), config, parallel, tokenizer.pad_token_id)
-            grad_norm, applied = clipped_step(model, optimizer, scheduler, config.optim.clip_grad)
+            micro_batches = plan_micro_batches(mine, config.micro_batching, parallel)
+            local = train_step(model, micro_batches, config, parallel, tokenizer.pad_token_id)
+            grad_norm, applied = clipped_step(model, run.optimizer, run.scheduler, config.optim.clip_grad)
         nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
         elapsed = time.perf_counter() - start
         step += 1
@@ -145,12 +118,8 @@ def run_sft(config: SFTConfig) -> None:
         last = step == total_steps
         if val and (last or (config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
             metrics["val/loss"] = validate(model, val, config, parallel, tokenizer.pad_token_id)
-        logger.log(metrics, step)
-        bar.update(1)
+        run.logger.log(metrics, step)
+        run.bar.update(1)
         if last or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0):
-            checkpoints.save(step)
-    bar.close()
-    logger.close()
-    dist.barrier()
-    # Left to interpreter exit, gloo's threads can be torn down while still joinable: an abort after a finished run.
-    dist.destroy_process_group()
+            run.checkpoints.save(step)
+    run.finish()
