@@ -83,6 +83,7 @@ def sft_args(model: str, data: dict[str, str], out: str, **overrides) -> list[st
 
 
 def torchrun_cmd(nproc: int, module: str, args: list[str], extra: list[str] | None = None) -> list[str]:
+    """The command that launches `module` (either trainer, or a check script) on `nproc` CPU processes."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []), "-m", module, *args]
 
 
@@ -116,3 +117,18 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def logged(out: str, key: str) -> list[float]:
+    return [m[key] for m in read_metrics(out) if key in m]
+
+
+def assert_same_run(out: str, reference: str, atol: float = 1e-5) -> None:
+    """Two runs trained the same: losses, gradient norms (AdamW and clipping would hide a constant factor in the
+    gradient), validation losses, and the final weights."""
+    for key in ("train/loss", "train/grad_norm", "val/loss"):
+        assert logged(out, key), f"{out} logged no {key}"
+        assert logged(out, key) == pytest.approx(logged(reference, key), abs=atol), key
+    last = read_metrics(reference)[-1]["step"]
+    final = lambda root: hf_weights(os.path.join(root, f"global_step_{last}"))  # noqa: E731
+    assert_same_weights(final(out), final(reference), atol=atol)

@@ -12,6 +12,8 @@ from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.loading import tied_embedding_grad_in_place
 from fsdptrain.models.loss import IGNORE_INDEX, chunked_cross_entropy_sum, chunked_token_log_probs, token_log_probs, token_nll_sum
 
+from conftest import torchrun
+
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
 def test_chunked_equals_full_logits(chunk):
@@ -164,3 +166,8 @@ def test_model_log_probs_and_gradients_match_full_logits(tiny_qwen2, tied):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5 * scale, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     full_path = token_log_probs(chunked, batch.inputs, labels, 0.8, chunk_tokens=0)[0]  # the full-logits path
     torch.testing.assert_close(full_path.detach(), expected.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_log_probs_under_sequence_parallelism_equal_the_whole_row(tiny_llama):
+    result = torchrun(2, "tests.logprob_sp_check", [tiny_llama])
+    assert result.stdout.count("ok") == 2

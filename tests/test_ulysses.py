@@ -1,26 +1,14 @@
 """Ulysses sequence parallelism under torchrun: the losses, validation and weights of the run without it."""
 
-import os
 
 import pytest
 
-from conftest import assert_same_weights, hf_weights, losses, read_metrics, run_sft
+from conftest import assert_same_run, run_sft
 
 SAVE_HF = "[model,optimizer,extra,hf_model]"
 # Micro-batches of 2 arithmetic chats (odd and even lengths) packed in one row, so the split between the SP
 # ranks falls inside a sample; the padding to a multiple of S is a segment of its own that carries no loss.
 RUN = dict(trainer__checkpoint__save_contents=SAVE_HF, trainer__test_freq=3)
-
-
-def val_losses(out):
-    return [m["val/loss"] for m in read_metrics(out) if "val/loss" in m]
-
-
-def assert_same_run(out, reference):
-    assert losses(out) == pytest.approx(losses(reference), abs=1e-5)
-    assert val_losses(out) == pytest.approx(val_losses(reference), abs=1e-5) and val_losses(out)
-    final = lambda root: hf_weights(os.path.join(root, "global_step_3"))  # noqa: E731
-    assert_same_weights(final(out), final(reference), atol=1e-5)
 
 
 @pytest.fixture(scope="module")
