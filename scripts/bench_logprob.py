@@ -1,5 +1,9 @@
-"""Peak memory and time of the loss stage (output layer + cross-entropy, forward and backward), full logits
-vs fsdptrain's chunked linear cross-entropy, at a SmolLM2-size (49k) and a Qwen2-size (151k) vocabulary.
+"""Peak memory and time of the loss stage (output layer + cross-entropy, forward and backward) at a SmolLM2-size
+(49k) and a Qwen2-size (151k) vocabulary, three ways:
+- full logits and F.cross_entropy;
+- fsdptrain's fused chunked sum (SFT: each chunk's gradients computed with its loss, three matmuls);
+- fsdptrain's chunked per-token log-probs (RL: the backward takes a gradient per token and recomputes each
+  chunk's logits, four matmuls), here summed into the same loss.
 
     python scripts/bench_logprob.py [--tokens 4096] [--hidden 896] [--chunk 1024] [--json out.json]
 
@@ -20,9 +24,12 @@ import torch
 VOCABS = {"smollm2-49k": 49152, "qwen2-151k": 151936}
 
 
-def measure(tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
+METHODS = ("full", "fused", "per-token")
+
+
+def measure(tokens: int, hidden: int, vocab: int, chunk: int, method: str) -> dict:
     sys.path.insert(0, ".")
-    from fsdptrain.models.loss import chunked_cross_entropy_sum
+    from fsdptrain.models.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -31,8 +38,10 @@ def measure(tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
     w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device, dtype).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
     def stage() -> torch.Tensor:
-        if chunk:
+        if method == "fused":
             return chunked_cross_entropy_sum(h, w, labels, chunk)
+        if method == "per-token":
+            return -chunked_token_log_probs(h, w, labels, 1.0, chunk, with_entropy=False)[0].sum()
         return torch.nn.functional.cross_entropy((h @ w.T).float(), labels, reduction="sum")
 
     if device.type == "cuda":
@@ -60,25 +69,28 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (the model.chunked_loss_tokens default)")
     parser.add_argument("--json")
-    parser.add_argument("--measure", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--measure", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(*args.measure)))
+        *sizes, method = args.measure
+        print(json.dumps(measure(*map(int, sizes), method)))
         return
 
     rows = []
     for name, vocab in VOCABS.items():
-        for chunk in (0, args.chunk):
-            cmd = [sys.executable, __file__, "--measure", str(args.tokens), str(args.hidden), str(vocab), str(chunk)]
+        for method in METHODS:
+            chunk = 0 if method == "full" else args.chunk
+            cmd = [sys.executable, __file__, "--measure", str(args.tokens), str(args.hidden), str(vocab), str(chunk), method]
             result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            rows.append({"vocab": name, "chunk": chunk, **result})
-    print(f"\nLoss stage, {args.tokens} tokens, hidden {args.hidden}, device {rows[0]['device']}")
-    print(f"{'vocab':<12} {'method':<16} {'peak MB':>9} {'seconds':>8} {'loss':>12} {'memory saved':>13}")
-    for full, chunked in zip(rows[::2], rows[1::2]):
-        for row in (full, chunked):
-            method = f"chunked {row['chunk']}" if row["chunk"] else "full logits"
-            saved = f"{full['peak_mb'] / row['peak_mb']:.1f}x" if row["chunk"] else ""
-            print(f"{row['vocab']:<12} {method:<16} {row['peak_mb']:>9.0f} {row['seconds']:>8.2f} {row['loss']:>12.2f} {saved:>13}")
+            rows.append({"vocab": name, "method": method, "chunk": chunk, **result})
+    print(f"\nLoss stage, {args.tokens} tokens, hidden {args.hidden}, chunks of {args.chunk}, device {rows[0]['device']}")
+    print(f"{'vocab':<12} {'method':<12} {'peak MB':>9} {'seconds':>8} {'loss':>12} {'memory saved':>13} {'time vs fused':>14}")
+    for first in range(0, len(rows), len(METHODS)):
+        full, fused, _ = group = rows[first : first + len(METHODS)]
+        for row in group:
+            saved = f"{full['peak_mb'] / row['peak_mb']:.1f}x" if row is not full else ""
+            print(f"{row['vocab']:<12} {row['method']:<12} {row['peak_mb']:>9.0f} {row['seconds']:>8.2f} {row['loss']:>12.2f} "
+                  f"{saved:>13} {row['seconds'] / fused['seconds']:>13.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_logprob_runs_and_chunking_keeps_the_loss(tmp_path):
@@ -12,9 +16,12 @@ def test_bench_logprob_runs_and_chunking_keeps_the_loss(tmp_path):
     subprocess.run([sys.executable, "scripts/bench_logprob.py", "--tokens", "64", "--hidden", "32", "--chunk", "16", "--json", str(out)],
                    cwd=REPO, check=True, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())
-    assert [(r["vocab"], r["chunk"]) for r in rows] == [("smollm2-49k", 0), ("smollm2-49k", 16), ("qwen2-151k", 0), ("qwen2-151k", 16)]
-    for full, chunked in zip(rows[::2], rows[1::2]):
-        assert abs(full["loss"] - chunked["loss"]) < 1e-3 * abs(full["loss"])
+    methods = [("full", 0), ("fused", 16), ("per-token", 16)]
+    assert [(r["vocab"], r["method"], r["chunk"]) for r in rows] == [(v, m, c) for v in ("smollm2-49k", "qwen2-151k") for m, c in methods]
+    for first in (0, 3):
+        full = rows[first]
+        for chunked in rows[first + 1 : first + 3]:
+            assert abs(full["loss"] - chunked["loss"]) < 1e-3 * abs(full["loss"])
 
 
 def test_bench_sp_runs(tmp_path):

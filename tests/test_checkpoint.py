@@ -26,6 +26,8 @@ from conftest import (
     torchrun_cmd,
 )
 
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 SAVE_HF = "[model,optimizer,extra,hf_model]"
 RUN = dict(trainer__total_training_steps=STEPS, optim__lr_warmup_steps_ratio=0.2, trainer__checkpoint__save_contents=SAVE_HF)

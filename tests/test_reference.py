@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import assert_same_weights, hf_weights, read_metrics, run_sft
 
+pytestmark = pytest.mark.slow
+
 STEPS, BATCH, MICRO, LR, BETAS, WEIGHT_DECAY, CLIP = 3, 8, 2, 1e-3, (0.9, 0.95), 0.01, 1.0
 RUN = dict(
     data__shuffle="false", data__train_batch_size=BATCH, data__micro_batch_size_per_gpu=MICRO, optim__lr=LR,

@@ -3,7 +3,11 @@
 import os
 import subprocess
 
+import pytest
+
 from conftest import REPO
+
+pytestmark = pytest.mark.slow
 
 
 def smoke(tmp_path, model, data, *overrides):

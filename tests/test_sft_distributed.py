@@ -54,6 +54,7 @@ def test_unbalanced_mode_logs_the_token_mean_but_weighs_micro_batches(tmp_path, 
     assert abs(unbalanced[2] - balanced[2]) > 1e-4  # per-micro-batch means weigh tokens differently
 
 
+@pytest.mark.slow
 def test_ten_step_run(tmp_path, tiny_llama, chat_data):
     out = str(tmp_path)
     result = run_sft(

@@ -5,6 +5,8 @@ import pytest
 
 from conftest import assert_same_run, run_sft
 
+pytestmark = pytest.mark.slow
+
 SAVE_HF = "[model,optimizer,extra,hf_model]"
 # Micro-batches of 2 arithmetic chats (odd and even lengths) packed in one row, so the split between the SP
 # ranks falls inside a sample; the padding to a multiple of S is a segment of its own that carries no loss.
