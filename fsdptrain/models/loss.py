@@ -87,10 +87,12 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     return _loss_and_grads(hidden, weight, labels, chunk_tokens, grad_hidden=False, grad_weight=False)[0]
 
 
-def _chunk_log_probs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 log-softmax of one chunk's logits / temperature, and each target's log-prob."""
-    log_softmax = (F.linear(h, weight).float() / temperature).log_softmax(dim=1)
-    return log_softmax, log_softmax.gather(1, targets[:, None]).squeeze(1)
+def _chunk_log_softmax(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax of one chunk's logits / temperature, computed in place in one (chunk x vocab) buffer."""
+    logits = F.linear(h, weight).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return torch.log_softmax(logits, dim=1, out=logits)
 
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
@@ -99,7 +101,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         log_probs = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(len(targets) if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(chunk_tokens):
-            log_softmax, log_probs[rows] = _chunk_log_probs(hidden[rows], weight, targets[rows], temperature)
+            log_softmax = _chunk_log_softmax(hidden[rows], weight, temperature)
+            log_probs[rows] = log_softmax.gather(1, targets[rows, None]).squeeze(1)
             if with_entropy:
                 entropy[rows] = -(log_softmax.exp() * log_softmax).sum(dim=1)
         ctx.save_for_backward(hidden, weight, targets)
@@ -114,16 +117,19 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         weight_grad = torch.zeros_like(weight) if grad_weight else None
         with_entropy = entropy_grad is not None and entropy_grad.numel() > 0
         for rows in torch.arange(len(targets), device=hidden.device).split(ctx.chunk_tokens):
-            h, y = hidden[rows], targets[rows]
-            log_softmax, _ = _chunk_log_probs(h, weight, y, ctx.temperature)
-            probs = log_softmax.exp()
-            # d log p_y / dz = onehot(y) - p;  d H / dz = -p * (log p + H), with z = logits / temperature
-            z_grad = probs * -log_probs_grad[rows, None]
-            z_grad[torch.arange(len(y), device=y.device), y] += log_probs_grad[rows]
+            h, y, g = hidden[rows], targets[rows], log_probs_grad[rows, None]
+            log_softmax = _chunk_log_softmax(h, weight, ctx.temperature)
+            # With z = logits / temperature: d log p_y / dz = onehot(y) - p, and d H / dz = -p (log p + H).
             if with_entropy:
+                probs = log_softmax.exp()
                 entropy = -(probs * log_softmax).sum(dim=1, keepdim=True)
-                z_grad -= probs * (log_softmax + entropy) * entropy_grad[rows, None]
-            logits_grad = (z_grad / ctx.temperature).to(h.dtype)
+                z_grad = log_softmax.add_(entropy).mul_(probs).mul_(-entropy_grad[rows, None]).sub_(probs.mul_(g))
+            else:
+                z_grad = log_softmax.exp_().mul_(-g)
+            z_grad[torch.arange(len(y), device=y.device), y] += g.squeeze(1)
+            if ctx.temperature != 1.0:
+                z_grad.div_(ctx.temperature)
+            logits_grad = z_grad.to(h.dtype)
             if grad_hidden:
                 hidden_grad[rows] = logits_grad @ weight
             if grad_weight:
