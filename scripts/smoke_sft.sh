@@ -17,6 +17,8 @@ if [ -z "${TRAIN:-}" ]; then
     TRAIN="$OUT/data/train.parquet" VAL="$OUT/data/val.parquet"
 fi
 RUN="$OUT/run"
+echo "Row 0 as the trainer sees it (trained tokens in [[ ]]):"
+python -m fsdptrain.data.preview "$TRAIN" --tokenizer "$MODEL" data.multiturn.enable=true data.max_length=512 data.truncation=right
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.sft_trainer \
     data.train_files="$TRAIN" ${VAL:+data.val_files="$VAL"} data.multiturn.enable=true \
     data.max_length=512 data.truncation=right data.train_batch_size=16 data.micro_batch_size_per_gpu=2 \

@@ -126,9 +126,12 @@ def logged(out: str, key: str) -> list[float]:
 def assert_same_run(out: str, reference: str, atol: float = 1e-5) -> None:
     """Two runs trained the same: losses, gradient norms (AdamW and clipping would hide a constant factor in the
     gradient), validation losses, and the final weights."""
-    for key in ("train/loss", "train/grad_norm", "val/loss"):
+    for key in ("train/loss", "val/loss"):
         assert logged(out, key), f"{out} logged no {key}"
         assert logged(out, key) == pytest.approx(logged(reference, key), abs=atol), key
+    # torch's fp32 norm over millions of gradient elements is itself accurate to a few 1e-5 (the fp64 norm of the
+    # same gradients agrees to 1e-7 across layouts); a constant factor in the gradient shows far above 1e-4.
+    assert logged(out, "train/grad_norm") == pytest.approx(logged(reference, "train/grad_norm"), rel=1e-4)
     last = read_metrics(reference)[-1]["step"]
     final = lambda root: hf_weights(os.path.join(root, f"global_step_{last}"))  # noqa: E731
     assert_same_weights(final(out), final(reference), atol=atol)

@@ -96,9 +96,9 @@ def test_bad_tools_are_named(tokenizer, tools, problem):
         tokenize_conversation(tokenizer, CONVERSATIONS[3], tools)
 
 
-def test_single_turn_trains_on_response_and_eos(tokenizer):
+def test_single_turn_trains_on_response_and_the_end_of_turn_token(tokenizer):
     ids, mask = tokenize_prompt_response(tokenizer, "What is 1+1?", "Two.")
-    assert [tokenizer.decode(s) for s in loss_spans(ids, mask)] == ["Two." + tokenizer.eos_token]
+    assert [tokenizer.decode(s) for s in loss_spans(ids, mask)] == ["Two.<|im_end|>"]
     assert tokenizer.decode(ids).startswith(tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 1+1?"}], tokenize=False, add_generation_prompt=True))
 
@@ -108,7 +108,7 @@ def test_single_turn_trains_on_response_and_eos(tokenizer):
     [
         ([], "non-empty list"),
         (["hello"], "message 0 is not a dict"),
-        ([{"role": "user"}], "lacks 'role' or 'content'"),
+        ([{"content": "x"}, {"role": "assistant", "content": "x"}], "message 0 has unknown role None"),
         ([{"role": "robot", "content": "x"}], "unknown role 'robot'"),
         ([{"role": "user", "content": "x"}], "no assistant message"),
         ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "content is not a string"),

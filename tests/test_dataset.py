@@ -31,7 +31,7 @@ def write(path, **columns) -> str:
     [
         ([GOOD, GOOD, [{"role": "user", "content": "Hi"}]], 2, "no assistant message"),
         ([GOOD, GOOD, [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]], 2, "unknown role 'wizard'"),
-        ([GOOD, GOOD, [{"role": "user"}]], 2, "lacks 'role' or 'content'"),
+        ([GOOD, GOOD, [{"content": "x"}, {"role": "assistant", "content": "y"}]], 2, "unknown role None"),  # parquet's absent key
         # parquet cannot mix structs and strings in one column: a file of string lists
         ([["a string", "not a dict"]], 0, "message 0 is not a dict"),
     ],
@@ -71,7 +71,7 @@ def test_over_long_row_under_truncation_error(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("mode", ["left", "right"])
 def test_truncation_keeps_the_named_end(tmp_path, tokenizer, mode):
-    conversation = [{"role": "user", "content": "count " * 80}, {"role": "assistant", "content": "done " * 40}]
+    conversation = [{"role": "user", "content": "count " * 5}, {"role": "assistant", "content": "done " * 60}]
     full_ids, full_mask = tokenize_conversation(tokenizer, conversation)
     path = write(tmp_path / "t.parquet", messages=[conversation])
     (sample,) = load_sft_samples([path], tokenizer, data_config(max_length=50, truncation=mode))
@@ -84,7 +84,7 @@ def test_single_turn_columns(tmp_path, tokenizer):
     path = write(tmp_path / "st.parquet", question=["1+1?", "2+2?"], answer=["2", "4"])
     samples = load_sft_samples([path], tokenizer, data_config(multiturn__enable=False, prompt_key="question", response_key="answer"))
     assert len(samples) == 2
-    assert tokenizer.decode(samples[1].input_ids[samples[1].loss_mask.bool()]) == "4" + tokenizer.eos_token
+    assert tokenizer.decode(samples[1].input_ids[samples[1].loss_mask.bool()]) == "4<|im_end|>"  # the template's end of turn
 
 
 def test_files_are_concatenated_in_order(tmp_path, tokenizer):
@@ -95,3 +95,46 @@ def test_files_are_concatenated_in_order(tmp_path, tokenizer):
     assert [s.input_ids.tolist() for s in samples] == [
         tokenize_conversation(tokenizer, m)[0] for m in (GOOD, other, GOOD)
     ]
+
+
+def test_samples_left_without_a_trained_token_are_dropped_and_counted(tmp_path, tokenizer, caplog):
+    """Right truncation that cuts off every assistant token leaves nothing to train: the sample is dropped, with a
+    count in the log, never trained silently."""
+    cut_off = [{"role": "user", "content": "count " * 80}, {"role": "assistant", "content": "done"}]
+    path = write(tmp_path / "t.parquet", messages=[GOOD, cut_off, GOOD])
+    with caplog.at_level("WARNING", logger="fsdptrain"):
+        samples = load_sft_samples([path], tokenizer, data_config(max_length=50, truncation="right"))
+    assert len(samples) == 2
+    assert "dropped 1 sample(s) with no trained token after data.truncation=right at data.max_length=50" in caplog.text
+
+
+def test_skip_bad_rows_counts_and_names_the_first(tmp_path, tokenizer, caplog):
+    rows = [GOOD, [{"role": "user", "content": "Hi"}], GOOD, [{"role": "wizard", "content": "y"}]]
+    path = write(tmp_path / "mixed.parquet", messages=rows)
+    with caplog.at_level("WARNING", logger="fsdptrain"):
+        samples = load_sft_samples([path], tokenizer, data_config(skip_bad_rows=True))
+    assert len(samples) == 2
+    assert "skipped 2 bad row(s)" in caplog.text and "mixed.parquet row 1: conversation has no assistant message" in caplog.text
+
+
+def test_split_turns_makes_one_sample_per_assistant_turn(tmp_path, tokenizer):
+    conversation = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+    path = write(tmp_path / "s.parquet", messages=[conversation])
+    first, second = load_sft_samples([path], tokenizer, data_config(multiturn__split_turns=True))
+    assert tokenizer.decode(first.input_ids[first.loss_mask.bool()]) == "4<|im_end|>"
+    assert tokenizer.decode(second.input_ids[second.loss_mask.bool()]) == "6<|im_end|>"  # the first turn is context only
+    assert second.input_ids.tolist() == tokenize_conversation(tokenizer, conversation)[0]
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}{{ marker or '' }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant{{ marker or '' }}: {% endif %}"
+    )
+    path = write(tmp_path / "k.parquet", messages=[GOOD])
+    (sample,) = load_sft_samples([path], tok, data_config(apply_chat_template_kwargs={"marker": " [kw]"}))
+    assert "assistant [kw]" in tok.decode(sample.input_ids)

@@ -22,6 +22,7 @@ class MultiturnConfig:
     enable: bool
     messages_key: str
     tools_key: str
+    split_turns: bool
 
 
 @dataclass
@@ -39,6 +40,8 @@ class DataConfig:
     use_dynamic_bsz: bool
     max_token_len_per_gpu: int | None
     shuffle: bool
+    apply_chat_template_kwargs: dict[str, Any]
+    skip_bad_rows: bool
 
 
 # ---- sections both trainers share (SFT at the top level, GRPO under actor_rollout_ref.*) -----------------------

@@ -1,5 +1,6 @@
 """SFT samples from parquet files: every row is read, checked and tokenized when the dataset loads."""
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -9,7 +10,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.config.schema import DataConfig
-from fsdptrain.data.chat import RowError, tokenize_conversation, tokenize_prompt_response
+from fsdptrain.data.chat import RowError, normalize_messages, tokenize_conversation, tokenize_prompt_response
+
+log = logging.getLogger("fsdptrain")
 
 
 class DataError(ValueError):
@@ -52,29 +55,54 @@ def _read_columns(path: str, columns: Sequence[str], optional: Sequence[str] = (
     return {c: table.column(c).to_pylist() for c in present}
 
 
-def _tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns: dict, row: int) -> tuple:
+def read_data_columns(path: str, config: DataConfig) -> dict[str, list]:
+    """The columns of a parquet file that `config` reads (messages and tools, or prompt and response)."""
     if config.multiturn.enable:
-        tools = columns[config.multiturn.tools_key][row] if config.multiturn.tools_key in columns else None
-        return tokenize_conversation(tokenizer, columns[config.multiturn.messages_key][row], tools)
-    return tokenize_prompt_response(tokenizer, columns[config.prompt_key][row], columns[config.response_key][row])
+        return _read_columns(path, [config.multiturn.messages_key], optional=[config.multiturn.tools_key])
+    return _read_columns(path, [config.prompt_key, config.response_key])
+
+
+def tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns: dict, row: int) -> list[tuple]:
+    """(ids, mask) of each sample a row makes: one, or with multiturn.split_turns one per assistant turn."""
+    kwargs = config.apply_chat_template_kwargs
+    if not config.multiturn.enable:
+        return [tokenize_prompt_response(tokenizer, columns[config.prompt_key][row], columns[config.response_key][row], kwargs)]
+    tools = columns[config.multiturn.tools_key][row] if config.multiturn.tools_key in columns else None
+    messages = columns[config.multiturn.messages_key][row]
+    if not config.multiturn.split_turns:
+        return [tokenize_conversation(tokenizer, messages, tools, kwargs)]
+    messages = normalize_messages(messages)
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [tokenize_conversation(tokenizer, messages[:end], tools, kwargs, only_last_turn=True) for end in ends]
 
 
 def load_sft_samples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase, config: DataConfig) -> list[Sample]:
-    """Read, check and tokenize every row of `files` in order; the first bad row raises naming file and row."""
-    if config.multiturn.enable:
-        required = [config.multiturn.messages_key]
-    else:
-        required = [config.prompt_key, config.response_key]
-    samples = []
+    """Read, check and tokenize every row of `files` in order. A bad row raises naming file, row and problem, or
+    with data.skip_bad_rows is skipped and counted; samples that truncation leaves without a trained token are
+    dropped and counted."""
+    samples, bad, untrained = [], [], 0
     for path in files:
-        columns = _read_columns(path, required, optional=[config.multiturn.tools_key] if config.multiturn.enable else [])
-        for row in range(len(columns[required[0]])):
+        columns = read_data_columns(path, config)
+        for row in range(len(next(iter(columns.values())))):
             try:
-                ids, mask = _tokenize_row(tokenizer, config, columns, row)
-                ids, mask = truncate(ids, mask, config.max_length, config.truncation)
+                made = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, columns, row)]
             except RowError as e:
-                raise DataError(f"{path} row {row}: {e}") from None
-            samples.append(Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+                if not config.skip_bad_rows:
+                    raise DataError(f"{path} row {row}: {e}") from None
+                bad.append(f"{path} row {row}: {e}")
+                continue
+            for ids, mask in made:
+                if sum(mask[1:]) == 0:  # the first token is never a target: nothing predicts it
+                    untrained += 1
+                    continue
+                samples.append(Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+    if bad:
+        log.warning("skipped %d bad row(s) (data.skip_bad_rows=true); the first: %s", len(bad), "; ".join(bad[:3]))
+    if untrained:
+        log.warning(
+            "dropped %d sample(s) with no trained token after data.truncation=%s at data.max_length=%d",
+            untrained, config.truncation, config.max_length,
+        )
     if not samples:
-        raise DataError(f"{', '.join(files)}: no rows")
+        raise DataError(f"{', '.join(files)}: no usable rows")
     return samples
