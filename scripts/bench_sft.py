@@ -195,18 +195,18 @@ def launch(cmd, env=None) -> dict:
     return {"rss_gb": memory["rss"] / 2**30, "shared_once_gb": memory["shared_once"] / 2**30, "max_proc_rss_gb": memory["max_rss"] / 2**30}
 
 
-def run_fsdptrain(args, steps: list) -> dict:
-    """fsdptrain under torchrun; `steps` are step_tokens of every step, to turn its logged rates into step times."""
+def run_fsdptrain(args, steps: list, variant: list[str]) -> dict:
+    """fsdptrain under torchrun at its defaults plus `variant`'s key=value settings; `steps` are step_tokens of every
+    step, to turn its logged rates into step times."""
     out = os.path.join(args.work, "fsdptrain")
     shutil.rmtree(out, ignore_errors=True)  # a repeat starts afresh (the metrics file appends)
     cmd = [*torchrun(args.nproc), "-m", "fsdptrain.sft_trainer",
            f"data.train_files={args.train}", "data.multiturn.enable=true", f"data.max_length={args.max_length}", "data.truncation=right",
-           f"data.train_batch_size={args.batch}", f"data.micro_batch_size_per_gpu={args.micro}",
-           "data.balance_dp_token=true", "data.shuffle=false", f"model.partial_pretrain={args.model_dir}",
+           f"data.train_batch_size={args.batch}", "data.balance_dp_token=true", "data.shuffle=false", f"model.partial_pretrain={args.model_dir}",
            "model.enable_gradient_checkpointing=false", f"optim.lr={args.lr}", "optim.weight_decay=0", "optim.lr_scheduler=constant",
            "optim.lr_warmup_steps=0", f"trainer.total_training_steps={args.steps}", "trainer.logger=[file]",
            f"model.fsdp_config.mixed_precision.param_dtype={'bf16' if args.bf16 else 'fp32'}",
-           "optim.betas=[0.9,0.999]", *args.fsdptrain_overrides,  # HF's AdamW betas, so that the runs agree
+           "optim.betas=[0.9,0.999]", *args.fsdptrain_overrides, *variant,  # HF's AdamW betas, so that the runs agree
            f"trainer.default_local_dir={out}", "trainer.checkpoint.save_contents=[]", "trainer.resume_mode=disable"]
     memory = launch(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -296,7 +296,8 @@ def main() -> None:
     parser.add_argument("--smollm2-dir", help="an existing SmolLM2 HF folder (default: converted into the work dir)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro", type=int, default=4, help="samples per micro-batch (per process) of the Hugging Face trainers")
+    parser.add_argument("--micro", type=int, default=4, help="samples per micro-batch (per process) of the Hugging Face trainers "
+                        "(fsdptrain runs at its defaults; set its keys with --variant)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -307,7 +308,9 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=["fsdptrain", *hf_systems],
                         choices=["fsdptrain", *hf_systems, *(f"{s}-ddp" for s in hf_systems)])
     parser.add_argument("--work", help="work folder (default: a temporary one)")
-    parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for fsdptrain")
+    parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for every fsdptrain row")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="KEY=VALUE",
+                        help="another fsdptrain row, named by these settings (repeat for more); the first row is its defaults")
     parser.add_argument("--json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -316,9 +319,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return run_hf(args.worker, args)
+    if args.variant and "fsdptrain" not in args.systems:
+        parser.error("--variant adds fsdptrain rows: keep fsdptrain among --systems")
+    variants = {" ".join(v): v for v in args.variant}
+    args.systems = [name for system in args.systems for name in ([system, *variants] if system == "fsdptrain" else [system])]
     for system in args.systems:
         per_step = args.micro * (args.nproc if system.endswith("-ddp") else 1)
-        if system != "fsdptrain" and args.batch % per_step:
+        if system not in ("fsdptrain", *variants) and args.batch % per_step:
             parser.error(f"--batch {args.batch} is not a multiple of {system}'s samples per accumulation step ({per_step})")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -339,7 +346,10 @@ def main() -> None:
         for _ in range(args.repeats):
             peak = max(peak, matmul_peak_flops(os.cpu_count() if not torch.cuda.is_available() else 1))
             for system in args.systems:
-                runs[system].append(run_fsdptrain(args, every_step) if system == "fsdptrain" else run_hf_system(system, args))
+                if system == "fsdptrain" or system in variants:
+                    runs[system].append(run_fsdptrain(args, every_step, variants.get(system, [])))
+                else:
+                    runs[system].append(run_hf_system(system, args))
         results = {system: median_run(system_runs) for system, system_runs in runs.items()}
 
     total_tokens, loss_tokens = sum(s[0] for s in steps), sum(s[1] for s in steps)
@@ -348,7 +358,8 @@ def main() -> None:
     print(f"\nSFT, {args.model} ({n_params / 1e6:.1f}M params), {args.steps} steps of {args.batch} chats, device {device}, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s")
     memory_keys = [key for key in MEMORY_KEYS if key != "cuda_peak_gb" or torch.cuda.is_available()]
-    print(f"{'system':<22} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
+    width = max(22, *map(len, results))
+    print(f"{'system':<{width}} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
           + "".join(f"{key[:-3].replace('_', ' ') + ' GB':>16} {'x':>5} " for key in memory_keys)
           + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11} {'loss tok/s of each run':>24}")
     rows = []
@@ -364,7 +375,7 @@ def main() -> None:
         nan = float("nan")  # ratios and loss differences need fsdptrain among the systems
         diff = row["max_loss_diff_vs_fsdptrain"] if base else nan
         speed = row["loss_tokens_per_s"] * sum(base["step_times"]) / loss_tokens if base else nan
-        print(f"{system:<22} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
+        print(f"{system:<{width}} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
               + "".join(f"{r[key]:>16.2f} {r[key] / base[key] if base else nan:>5.2f} " for key in memory_keys)
               + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {diff:>11.4f} "
               + f"{' '.join(f'{x:.0f}' for x in every_run):>24}")

@@ -66,3 +66,20 @@ def test_batch_sizes_that_do_not_divide_are_rejected_with_their_numbers():
     with pytest.raises(ConfigError, match=r"10 / 2 = 5 samples per rank must be divisible by data.micro_batch_size_per_gpu \(2\)"):
         layout(2)
     layout(5)
+
+
+@pytest.mark.parametrize(
+    "overrides, dynamic, max_tokens",
+    [
+        ((), True, 4 * 1024),  # the default: a token budget worth micro_batch_size_per_gpu samples of max_length
+        (("data.micro_batch_size_per_gpu=2", "data.max_length=512"), True, 1024),
+        (("data.balance_dp_token=false",), False, None),  # verl's per-micro-batch means: cut by count, as verl does
+        (("use_remove_padding=false",), False, None),  # padded batches: by count
+        (("data.use_dynamic_bsz=false",), False, None),  # set explicitly: verl's meaning
+        (("data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=9000"), True, 9000),
+        (("data.max_token_len_per_gpu=5000",), True, 5000),
+    ],
+)
+def test_micro_batches_are_cut_by_tokens_where_the_loss_allows(overrides, dynamic, max_tokens):
+    batching = config(*overrides).micro_batching
+    assert (batching.dynamic, batching.max_tokens) == (dynamic, max_tokens)

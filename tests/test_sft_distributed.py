@@ -11,22 +11,24 @@ SAVE_HF = "[model,optimizer,extra,hf_model]"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_llama, chat_data):
-    """One process, micro-batch 4: two micro-batches per step."""
+    """One process, micro-batches of 4 samples (a sample count, as verl cuts them): two per step."""
     out = str(tmp_path_factory.mktemp("dp1"))
-    run_sft(1, tiny_llama, chat_data, out, data__micro_batch_size_per_gpu=4, trainer__checkpoint__save_contents=SAVE_HF)
+    run_sft(1, tiny_llama, chat_data, out, data__micro_batch_size_per_gpu=4, data__use_dynamic_bsz="false",
+            trainer__checkpoint__save_contents=SAVE_HF)
     return out
 
 
 @pytest.mark.parametrize(
     "nproc, overrides",
     [
-        (2, {"data__micro_batch_size_per_gpu": 4}),  # dp=2: one micro-batch per rank
-        (2, {"data__micro_batch_size_per_gpu": 1}),  # dp=2, micro-batch 1: four per rank
+        (2, {"data__micro_batch_size_per_gpu": 4, "data__use_dynamic_bsz": "false"}),  # dp=2: one micro-batch per rank
+        (2, {"data__micro_batch_size_per_gpu": 1, "data__use_dynamic_bsz": "false"}),  # dp=2, micro-batch 1: four per rank
         (2, {"data__use_dynamic_bsz": "true", "data__max_token_len_per_gpu": 300}),  # split by a token budget
+        (2, {"data__micro_batch_size_per_gpu": 1}),  # the default: packed up to 1 x max_length tokens, not 1 sample
         (2, {"use_remove_padding": "false"}),  # padded batches through sdpa
         (2, {"model__fsdp_config__cpu_offload": "true", "model__enable_gradient_checkpointing": "true"}),
     ],
-    ids=["dp2", "dp2-mb1", "dp2-dynamic", "dp2-padded", "dp2-offload-checkpointing"],
+    ids=["dp2", "dp2-mb1", "dp2-dynamic", "dp2-default-token-budget", "dp2-padded", "dp2-offload-checkpointing"],
 )
 def test_layouts_agree_with_balanced_tokens(tmp_path, tiny_llama, chat_data, reference, nproc, overrides):
     out = str(tmp_path)

@@ -37,7 +37,7 @@ class DataConfig:
     train_batch_size: int
     micro_batch_size_per_gpu: int
     balance_dp_token: bool
-    use_dynamic_bsz: bool
+    use_dynamic_bsz: bool | None
     max_token_len_per_gpu: int | None
     shuffle: bool
     apply_chat_template_kwargs: dict[str, Any]
@@ -147,9 +147,16 @@ class SFTConfig:
 
     @property
     def micro_batching(self) -> MicroBatching:
+        """data.use_dynamic_bsz=null: a token budget of micro_batch_size_per_gpu x max_length (no micro-batch holds
+        more tokens than the count-based one could) where the cut cannot change the loss, else a sample count."""
         data = self.data
+        dynamic, max_tokens = data.use_dynamic_bsz, data.max_token_len_per_gpu
+        if dynamic is None:
+            dynamic = self.use_remove_padding and data.balance_dp_token
+            if dynamic and max_tokens is None:
+                max_tokens = data.micro_batch_size_per_gpu * data.max_length
         return MicroBatching(
-            data.micro_batch_size_per_gpu, data.use_dynamic_bsz, data.max_token_len_per_gpu,
+            data.micro_batch_size_per_gpu, dynamic, max_tokens,
             "data.micro_batch_size_per_gpu", "data.use_dynamic_bsz", "data.max_token_len_per_gpu",
         )
 
