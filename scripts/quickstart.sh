@@ -11,7 +11,7 @@ python scripts/demo_data.py "$WORK/data" --rows 256
 torchrun --standalone --nproc_per_node=2 -m fsdptrain.sft_trainer \
     data.train_files="$WORK/data/train.parquet" data.val_files="$WORK/data/val.parquet" \
     data.multiturn.enable=true data.max_length=512 data.truncation=right \
-    data.train_batch_size=16 data.micro_batch_size_per_gpu=4 data.balance_dp_token=true \
+    data.train_batch_size=16 \
     model.partial_pretrain="$WORK/smollm2" optim.lr=5e-5 \
     trainer.total_training_steps=8 trainer.test_freq=4 trainer.resume_mode=disable \
     trainer.logger='["console","file"]' trainer.default_local_dir="$WORK/sft" \

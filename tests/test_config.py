@@ -59,7 +59,7 @@ def test_bad_values_are_named(override, message):
 
 
 def test_batch_sizes_that_do_not_divide_are_rejected_with_their_numbers():
-    cfg = config("data.train_batch_size=10", "data.micro_batch_size_per_gpu=2")
+    cfg = config("data.train_batch_size=10", "data.micro_batch_size_per_gpu=2", "data.use_dynamic_bsz=false")
     layout = lambda dp: check_batch_layout(cfg.data.train_batch_size, "data.train_batch_size", cfg.micro_batching, dp)  # noqa: E731
     with pytest.raises(ConfigError, match=r"data.train_batch_size \(10\) must be divisible by the data-parallel size \(4\)"):
         layout(4)
