@@ -321,7 +321,7 @@ def main() -> None:
         return run_hf(args.worker, args)
     if args.variant and "fsdptrain" not in args.systems:
         parser.error("--variant adds fsdptrain rows: keep fsdptrain among --systems")
-    variants = {" ".join(v): v for v in args.variant}
+    variants = {"fsdptrain " + " ".join(v): v for v in args.variant}
     args.systems = [name for system in args.systems for name in ([system, *variants] if system == "fsdptrain" else [system])]
     for system in args.systems:
         per_step = args.micro * (args.nproc if system.endswith("-ddp") else 1)
