@@ -72,6 +72,8 @@ def test_ten_step_run(tmp_path, tiny_llama, chat_data):
     for key in ("train/grad_norm", "train/lr", "perf/tokens_per_sec", "perf/max_memory_gb"):
         assert all(key in m for m in metrics), key
     assert result.stdout.count("step 1 |") == 1  # rank 0 alone prints
+    for speedup in ("FSDP2 collectives as gloo send/recv", "tied embedding gradient added in place", "glibc keeps freed memory"):
+        assert result.stdout.count(f"cpu speed-up on: {speedup}") == 1, speedup  # once, from rank 0
     assert os.path.isfile(os.path.join(out, "global_step_10", "meta.json"))
     profile = os.path.join(out, "profile")
     assert sorted(os.listdir(profile)) == [f"step3_rank{r}.{ext}" for r in (0, 1) for ext in ("json", "txt")]
@@ -84,6 +86,14 @@ def test_every_logger(tmp_path, tiny_llama, chat_data):
     result = run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2,
                      trainer__logger='["console","file","wandb","tensorboard"]')
     assert result.stdout.count("train/loss") == 2
+    assert "point-to-point collectives not used: one rank has nothing to exchange" in result.stdout
     assert len(read_metrics(out)) == 2
     assert os.listdir(os.path.join(out, "tensorboard"))  # event files
     assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(out, "wandb")))
+
+
+def test_each_cpu_speedup_has_its_own_switch(tmp_path, tiny_llama, chat_data):
+    off = {f"trainer__cpu_speedups__{name}": "false" for name in ("point_to_point_collectives", "tied_embedding_grad_in_place")}
+    result = run_sft(2, tiny_llama, chat_data, str(tmp_path), trainer__total_training_steps=1, trainer__logger="[console]", **off)
+    assert "cpu speed-up on: glibc keeps freed memory" in result.stdout
+    assert "FSDP2 collectives" not in result.stdout and "tied embedding" not in result.stdout
