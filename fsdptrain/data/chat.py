@@ -30,9 +30,10 @@ class RowError(ValueError):
     """A data row that cannot be used; raised with the problem, and re-raised naming file and row."""
 
 
-def normalize_messages(messages: Any) -> list[dict]:
+def normalize_messages(messages: Any, require_assistant: bool = True) -> list[dict]:
     """Check a conversation and return its messages without the keys parquet fills with None for a message that
-    lacks them (templates test `message.tool_calls is defined`); absent content becomes ''."""
+    lacks them (templates test `message.tool_calls is defined`); absent content becomes ''. A prompt for
+    generation (`require_assistant=False`) need not hold an assistant message."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise RowError(f"messages must be a non-empty list, got {type(messages).__name__}")
     normalized = []
@@ -46,7 +47,7 @@ def normalize_messages(messages: Any) -> list[dict]:
         if not isinstance(message["content"], str):
             raise RowError(f"message {i} content is not a string but {type(message['content']).__name__}")
         normalized.append(message)
-    if not any(m["role"] == "assistant" for m in normalized):
+    if require_assistant and not any(m["role"] == "assistant" for m in normalized):
         raise RowError("conversation has no assistant message")
     return normalized
 

@@ -1,0 +1,137 @@
+"""Accuracy of a Hugging Face model folder on an RL parquet file, scored by the trainer's own reward functions.
+
+    python -m fsdptrain.evaluate MODEL_DIR DATA.parquet [--n 1] [--temperature 0] [--max-new-tokens 256]
+        [--batch-size 16] [--seed 0] [--out results.jsonl] [--summary summary.json]
+        [custom_reward_function.path=F custom_reward_function.name=N]
+        [data.apply_chat_template_kwargs='{enable_thinking: false}']
+
+Greedy by default (`--temperature T` samples, `--n` responses per prompt). Per data_source: accuracy with its
+binomial standard error, mean score, mean response length in tokens, and how many responses hit
+--max-new-tokens without ending. `--out` writes one JSON line per response (prompt, response, scores).
+"""
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from fsdptrain.rl.data import Prompt, load_prompts
+from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_sample
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], n: int, temperature: float,
+    max_new_tokens: int, batch_size: int,
+) -> list[tuple[list[int], bool]]:
+    """(response ids through the first end token, truncated) for each prompt, n in a row; left-padded batches."""
+    eos = model.generation_config.eos_token_id
+    end_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(end_ids))
+    jobs = [p.ids for p in prompts for _ in range(n)]
+    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
+    results = []
+    for first in range(0, len(jobs), batch_size):
+        batch = jobs[first : first + batch_size]
+        width = max(map(len, batch))
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=model.device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                pad_token_id=pad, eos_token_id=sorted(end_ids), **sampling)
+        for row in output[:, width:].tolist():
+            end = next((i for i, token in enumerate(row) if token in end_ids), None)
+            results.append((row if end is None else row[: end + 1], end is None))
+    return results
+
+
+def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Per data_source: count, accuracy and its binomial standard error, mean score and length, truncations."""
+    by_source = defaultdict(list)
+    for record in records:
+        by_source[record["data_source"]].append(record)
+    summary = {}
+    for source, rows in sorted(by_source.items()):
+        count = len(rows)
+        accuracy = sum(r["acc"] for r in rows) / count
+        summary[source] = {
+            "n": count,
+            "acc": accuracy,
+            "acc_se": math.sqrt(accuracy * (1 - accuracy) / count),
+            "score": sum(r["score"] for r in rows) / count,
+            "response_length": sum(r["response_length"] for r in rows) / count,
+            "truncated": sum(r["truncated"] for r in rows),
+        }
+    return summary
+
+
+def evaluate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], reward_fn: RewardFn, n: int = 1,
+    temperature: float = 0.0, max_new_tokens: int = 256, batch_size: int = 16,
+) -> list[dict]:
+    """One record per response: prompt, response, its scores (`score`, `acc`, and any the reward function adds)."""
+    responses = generate(model, tokenizer, prompts, n, temperature, max_new_tokens, batch_size)
+    records = []
+    for index, (ids, truncated) in enumerate(responses):
+        prompt = prompts[index // n]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        sample = f"prompt {index // n} ({prompt.data_source}), response {index % n}"
+        scores = score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, sample)
+        records.append({"index": index // n, "data_source": prompt.data_source, "prompt": prompt.messages, "response": text,
+                        "ground_truth": prompt.ground_truth, "response_length": len(ids), "truncated": truncated, **scores})
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir")
+    parser.add_argument("data", nargs="+", help="RL parquet file(s) in verl's layout")
+    parser.add_argument("--backend", choices=["hf"], default="hf", help="transformers generate (vLLM: issue 20)")
+    parser.add_argument("--n", type=int, default=1, help="responses per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="JSONL of every prompt, response and score")
+    parser.add_argument("--summary", help="JSON of the per-data_source figures printed in the table")
+    args = parser.parse_intermixed_args(argv)
+    keys = {"custom_reward_function.path": None, "custom_reward_function.name": None, "data.apply_chat_template_kwargs": "{}"}
+    files = []
+    for item in args.data:
+        key, sep, value = item.partition("=")
+        if sep and key in keys:
+            keys[key] = value
+        elif sep:
+            parser.error(f"unknown key {key!r} (known: {', '.join(keys)})")
+        else:
+            files.append(item)
+    if not files:
+        parser.error("no data file given")
+    if args.n < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
+        parser.error("--n, --max-new-tokens and --batch-size must be >= 1")
+    reward_fn = load_reward_function(keys["custom_reward_function.path"], keys["custom_reward_function.name"])
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    prompts = load_prompts(files, tokenizer, yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {})
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    records = evaluate(model, tokenizer, prompts, reward_fn, args.n, args.temperature, args.max_new_tokens, args.batch_size)
+    if args.out:
+        with open(args.out, "w") as f:
+            for record in records:
+                f.write(json.dumps(record, default=str) + "\n")
+    summary = summarize(records)
+    print(f"{'data_source':<24} {'n':>6} {'acc':>7} {'± se':>7} {'score':>7} {'length':>7} {'truncated':>9}")
+    for source, s in summary.items():
+        print(f"{source:<24} {s['n']:>6} {s['acc']:>7.3f} {s['acc_se']:>7.3f} {s['score']:>7.3f} {s['response_length']:>7.1f} {s['truncated']:>9}")
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Prompts for RL and evaluation from verl's parquet layout: `prompt` (a chat message list), `data_source`,
+`reward_model` (a struct with `ground_truth` and `style`) or a flat `ground_truth` column, and optional
+`extra_info`. Every row is checked and its prompt tokenized (chat template with the generation prompt) at load."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.parquet as pq
+from transformers import PreTrainedTokenizerBase
+
+from fsdptrain.data.chat import RowError, normalize_messages, render
+from fsdptrain.data.dataset import DataError
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    messages: list[dict]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+
+
+def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict) -> Prompt:
+    messages = columns["prompt"][row]
+    messages = normalize_messages(messages, require_assistant=False)
+    if "reward_model" in columns:
+        reward_model = columns["reward_model"][row] or {}
+        ground_truth = reward_model.get("ground_truth")
+    else:
+        ground_truth = columns["ground_truth"][row]
+    if ground_truth is None:
+        raise RowError("no ground truth (reward_model.ground_truth or ground_truth)")
+    data_source = columns["data_source"][row] if "data_source" in columns else None
+    if not isinstance(data_source, str) or not data_source:
+        raise RowError(f"data_source must be a non-empty string, got {data_source!r}")
+    text = render(tokenizer, messages, None, True, template_kwargs)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    extra_info = columns["extra_info"][row] if "extra_info" in columns else None
+    return Prompt(ids, messages, data_source, ground_truth, dict(extra_info or {}))
+
+
+def load_prompts(
+    files: Sequence[str], tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None = None
+) -> list[Prompt]:
+    """Every row of `files` in order; a bad row raises naming the file, the row and the problem."""
+    prompts = []
+    for path in files:
+        try:
+            table = pq.read_table(path)
+        except FileNotFoundError:
+            raise DataError(f"{path}: no such data file") from None
+        except Exception as e:  # pyarrow raises several types for a file that is not parquet
+            raise DataError(f"{path}: cannot be read as parquet: {e}") from None
+        names = table.column_names
+        missing = [c for c in ("prompt", "data_source") if c not in names]
+        if "reward_model" not in names and "ground_truth" not in names:
+            missing.append("reward_model (or ground_truth)")
+        if missing:
+            raise DataError(f"{path}: missing column(s) {missing}; the file has {names}")
+        columns = {c: table.column(c).to_pylist() for c in ("prompt", "data_source", "reward_model", "ground_truth", "extra_info")
+                   if c in names}
+        for row in range(table.num_rows):
+            try:
+                prompts.append(_row_prompt(columns, row, tokenizer, dict(template_kwargs or {})))
+            except RowError as e:
+                raise DataError(f"{path} row {row}: {e}") from None
+    if not prompts:
+        raise DataError(f"{', '.join(files)}: no rows")
+    return prompts

@@ -1,0 +1,132 @@
+"""Reward functions: rule scores chosen by a sample's data_source (as verl's default), or a user's function.
+
+Every reward function has verl's signature, `compute_score(data_source, solution_str, ground_truth, extra_info)`,
+and returns a float or a dict with a `score` key (an `acc` key, where given, is the sample's accuracy; other keys
+are logged). The GRPO trainer's validation and `python -m fsdptrain.evaluate` call the same functions.
+"""
+
+import importlib.util
+import math
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+RewardFn = Callable[[str, str, Any, dict | None], float | dict]
+
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "arithmetic")
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
+
+
+class RewardError(RuntimeError):
+    """A reward function that cannot be loaded or that failed on a sample; the message names it."""
+
+
+def _number(text: str) -> str:
+    return text.replace(",", "").replace("$", "").rstrip(".")
+
+
+def extract_gsm8k_answer(solution: str, method: str = "strict") -> str | None:
+    """The final answer of a GSM8K-style solution: strict, the number after the last `#### `; flexible, the last
+    number anywhere. Only the last 300 characters are read, as verl does, so that a long response cannot hide an
+    answer in its middle."""
+    tail = solution[-300:]
+    if method == "strict":
+        found = re.findall(r"#### (\-?[0-9\.\,]+)", tail)
+        return _number(found[-1]) if found else None
+    numbers = [n for n in re.findall(r"(\-?[0-9\.\,]+)", tail) if n not in ("", ".", ",")]
+    return _number(numbers[-1]) if numbers else None
+
+
+def gsm8k_score(solution: str, ground_truth: str, method: str = "strict", format_score: float = 0.0) -> float:
+    """1 for the right final answer, `format_score` for a wrong one, 0 for none."""
+    answer = extract_gsm8k_answer(solution, method)
+    if answer is None:
+        return 0.0
+    return 1.0 if answer == _number(str(ground_truth)) else format_score
+
+
+def last_boxed(solution: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces matched), or None."""
+    start = solution.rfind("\\boxed")
+    if start < 0:
+        return None
+    open_brace = solution.find("{", start)
+    if open_brace < 0:
+        return None
+    depth = 0
+    for i in range(open_brace, len(solution)):
+        depth += {"{": 1, "}": -1}.get(solution[i], 0)
+        if depth == 0:
+            return solution[open_brace + 1 : i]
+    return None
+
+
+def normalize_math(answer: str) -> str:
+    """A light normalization of a LaTeX answer: spacing, sizing commands, dollar signs, \\dfrac/\\tfrac, a
+    trailing period, `x = ` before the value and a trailing `.0` of an integer."""
+    text = answer.strip()
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""), ("dfrac", "frac"),
+                     ("tfrac", "frac"), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", ""), (" ", "")):
+        text = text.replace(old, new)
+    text = re.sub(r"^[a-zA-Z]=", "", text).rstrip(".")
+    if re.fullmatch(r"-?\d+\.0+", text):
+        text = text.split(".")[0]
+    return text
+
+
+def math_score(solution: str, ground_truth: str) -> float:
+    answer = last_boxed(solution)
+    if answer is None:
+        return 0.0
+    truth = last_boxed(ground_truth) if "\\boxed" in str(ground_truth) else str(ground_truth)
+    return 1.0 if truth is not None and normalize_math(answer) == normalize_math(truth) else 0.0
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """verl's default choice of rule by data source: GSM8K-style `#### answer` (strict), MATH-style `\\boxed{}`."""
+    if data_source in GSM8K_SOURCES:
+        return gsm8k_score(solution_str, ground_truth)
+    if data_source in MATH_SOURCES or "math" in data_source.lower():
+        return math_score(solution_str, ground_truth)
+    raise RewardError(
+        f"no built-in reward for data_source {data_source!r} (built in: {', '.join(GSM8K_SOURCES + MATH_SOURCES)}); "
+        "give custom_reward_function.path and .name"
+    )
+
+
+def load_reward_function(path: str | None, name: str | None) -> RewardFn:
+    """The user's function `name` from the Python file `path`, or the built-in rules when no path is given."""
+    if not path:
+        return default_compute_score
+    if not os.path.isfile(path):
+        raise RewardError(f"custom_reward_function.path={path!r}: no such file")
+    spec = importlib.util.spec_from_file_location("fsdptrain_custom_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise RewardError(f"custom_reward_function.path={path!r} failed to import: {type(e).__name__}: {e}") from e
+    name = name or "compute_score"
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardError(f"custom_reward_function.name={name!r}: {path} defines no such function")
+    return function
+
+
+def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: Any, extra_info: dict | None, sample: str) -> dict:
+    """The reward of one sample as a dict with a float `score` (and `acc`: the given one, else score > 0); a failure
+    or a result that is not a finite number raises naming the sample, never a silent 0."""
+    try:
+        result = fn(data_source, response, ground_truth, extra_info)
+    except Exception as e:
+        raise RewardError(f"the reward function failed on {sample}: {type(e).__name__}: {e}") from e
+    scores = dict(result) if isinstance(result, dict) else {"score": result}
+    try:
+        scores = {k: float(v) for k, v in scores.items()}
+    except (TypeError, ValueError):
+        raise RewardError(f"the reward function returned {result!r} for {sample}: not a number or a dict of numbers") from None
+    if "score" not in scores or not math.isfinite(scores["score"]):
+        raise RewardError(f"the reward function returned {result!r} for {sample}: a finite score is required")
+    scores.setdefault("acc", float(scores["score"] > 0))
+    return scores

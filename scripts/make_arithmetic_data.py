@@ -1,0 +1,96 @@
+"""Verifiable arithmetic tasks as SFT and RL parquet files, or a GSM8K-style file converted to both layouts.
+
+    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--seed 0]
+    python scripts/make_arithmetic_data.py OUT_DIR --from-gsm8k train.parquet [test.parquet ...]
+
+Tasks mix addition, subtraction and multiplication of 1- to 3-digit numbers, with the answer after `####`.
+Writes, for each split (train, val, test; or each GSM8K file by its name):
+- sft_{split}.parquet: a `messages` column (user question, assistant worked answer ending `#### n`);
+- rl_{split}.parquet: verl's layout (`prompt`, `data_source`, `reward_model` {ground_truth, style}, `extra_info`).
+No question appears in two splits. GSM8K-style input has `question` and `answer` columns, the answer ending
+`#### n`; its data_source is openai/gsm8k, so the built-in strict `####` reward scores it.
+"""
+
+import argparse
+import os
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+INSTRUCTION = "Solve the problem and give the final answer after '####'."
+OPERATIONS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
+
+
+def arithmetic_task(rng: random.Random) -> tuple[str, str, int]:
+    """(question, worked answer ending '#### n', n)."""
+    name = rng.choice(list(OPERATIONS))
+    digits = rng.choice([1, 2, 2, 3]) if name != "times" else rng.choice([1, 2])
+    a, b = (rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1) for _ in range(2))
+    result = OPERATIONS[name](a, b)
+    symbol = {"plus": "+", "minus": "-", "times": "*"}[name]
+    return f"What is {a} {name} {b}?", f"{a} {symbol} {b} = {result}.\n#### {result}", result
+
+
+def layouts(question: str, answer: str, ground_truth: str, data_source: str, split: str, index: int) -> tuple[list, dict]:
+    user = {"role": "user", "content": f"{question} {INSTRUCTION}"}
+    messages = [user, {"role": "assistant", "content": answer}]
+    rl = {"prompt": [user], "data_source": data_source, "reward_model": {"ground_truth": ground_truth, "style": "rule"},
+          "extra_info": {"split": split, "index": index}}
+    return messages, rl
+
+
+def write_split(out: str, split: str, rows: list[tuple[str, str, str]], data_source: str) -> None:
+    made = [layouts(q, a, truth, data_source, split, i) for i, (q, a, truth) in enumerate(rows)]
+    pq.write_table(pa.table({"messages": [m for m, _ in made]}), os.path.join(out, f"sft_{split}.parquet"))
+    pq.write_table(pa.Table.from_pylist([rl for _, rl in made]), os.path.join(out, f"rl_{split}.parquet"))
+
+
+def arithmetic_splits(sizes: dict[str, int], seed: int) -> dict[str, list[tuple[str, str, str]]]:
+    rng, seen, splits = random.Random(seed), set(), {}
+    for split, size in sizes.items():
+        rows = []
+        while len(rows) < size:
+            question, answer, result = arithmetic_task(rng)
+            if question not in seen:  # no question in two splits (nor twice in one)
+                seen.add(question)
+                rows.append((question, answer, str(result)))
+        splits[split] = rows
+    return splits
+
+
+def gsm8k_rows(path: str) -> list[tuple[str, str, str]]:
+    table = pq.read_table(path)
+    missing = [c for c in ("question", "answer") if c not in table.column_names]
+    if missing:
+        raise SystemExit(f"{path}: missing column(s) {missing}; a GSM8K-style file has question and answer")
+    rows = []
+    for i, (question, answer) in enumerate(zip(table.column("question").to_pylist(), table.column("answer").to_pylist())):
+        if not isinstance(answer, str) or "####" not in answer:
+            raise SystemExit(f"{path} row {i}: the answer does not end with '#### n'")
+        rows.append((question, answer, answer.split("####")[-1].strip().replace(",", "")))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--train", type=int, default=2000)
+    parser.add_argument("--val", type=int, default=200)
+    parser.add_argument("--test", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from-gsm8k", nargs="+", metavar="FILE", help="convert GSM8K-style files instead of generating tasks")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.from_gsm8k:
+        for path in args.from_gsm8k:
+            split = os.path.splitext(os.path.basename(path))[0]
+            write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k")
+    else:
+        for split, rows in arithmetic_splits({"train": args.train, "val": args.val, "test": args.test}, args.seed).items():
+            write_split(args.out, split, rows, "arithmetic")
+    print(f"wrote sft_*.parquet and rl_*.parquet under {args.out}")
+
+
+if __name__ == "__main__":
+    main()
