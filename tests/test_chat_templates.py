@@ -212,3 +212,22 @@ def test_preview_marks_the_trained_tokens_of_a_parquet_file(tmp_path, tokenizer_
         assert (sample["input_ids"], sample["loss_mask"]) == tuple(map(list, tokenize_conversation(tokenizer, messages)))
     bad = subprocess.run([*preview, "data.no_such_key=1"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "data.no_such_key" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_truncated_and_single_turn_samples_equal_the_reference(family, mode):
+    """Truncation cuts the reference's ids and mask as it cuts the rendered conversation; single-turn rows are the
+    reference's one-exchange conversation."""
+    from fsdptrain.data.dataset import truncate
+
+    name, tokenizer = family
+    messages = CONVERSATIONS["system-and-turns"]
+    if not template_accepts(tokenizer, messages, None):
+        messages = messages[1:]  # Gemma has no system role
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    expected_ids, expected_mask = reference_mask(name, tokenizer, tokenizer.apply_chat_template(messages, tokenize=False))
+    keep = slice(-30, None) if mode == "left" else slice(0, 30)
+    assert truncate(ids, mask, 30, mode) == (expected_ids[keep], expected_mask[keep])
+    exchange = CONVERSATIONS["one-exchange"]
+    single = tokenize_prompt_response(tokenizer, exchange[0]["content"], exchange[1]["content"])
+    assert list(single) == list(reference_mask(name, tokenizer, tokenizer.apply_chat_template(exchange, tokenize=False)))
