@@ -22,31 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from fsdptrain.rl.data import Prompt, load_prompts
 from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_sample
-
-
-@torch.no_grad()
-def generate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], n: int, temperature: float,
-    max_new_tokens: int, batch_size: int,
-) -> list[tuple[list[int], bool]]:
-    """(response ids through the first end token, truncated) for each prompt, n in a row; left-padded batches."""
-    eos = model.generation_config.eos_token_id
-    end_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(end_ids))
-    jobs = [p.ids for p in prompts for _ in range(n)]
-    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
-    results = []
-    for first in range(0, len(jobs), batch_size):
-        batch = jobs[first : first + batch_size]
-        width = max(map(len, batch))
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=model.device)
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                pad_token_id=pad, eos_token_id=sorted(end_ids), **sampling)
-        for row in output[:, width:].tolist():
-            end = next((i for i, token in enumerate(row) if token in end_ids), None)
-            results.append((row if end is None else row[: end + 1], end is None))
-    return results
+from fsdptrain.rl.rollout.hf import end_token_ids, generate
 
 
 def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -74,10 +50,12 @@ def evaluate(
     temperature: float = 0.0, max_new_tokens: int = 256, batch_size: int = 16,
 ) -> list[dict]:
     """One record per response: prompt, response, its scores (`score`, `acc`, and any the reward function adds)."""
-    responses = generate(model, tokenizer, prompts, n, temperature, max_new_tokens, batch_size)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampling = dict(do_sample=temperature > 0, temperature=temperature or 1.0)
+    responses = generate(model, [p.ids for p in prompts], n, max_new_tokens, batch_size, end_token_ids(model, pad), pad, **sampling)
     records = []
-    for index, (ids, truncated) in enumerate(responses):
-        prompt = prompts[index // n]
+    for index, response in enumerate(responses):
+        prompt, ids, truncated = prompts[index // n], response.response_ids, response.truncated
         text = tokenizer.decode(ids, skip_special_tokens=True)
         sample = f"prompt {index // n} ({prompt.data_source}), response {index % n}"
         scores = score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, sample)

@@ -5,12 +5,15 @@ missing from the YAML, an unknown key or a value of the wrong type fails with it
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
 
 class ConfigError(ValueError):
@@ -311,3 +314,201 @@ def check_batch_layout(batch_size: int, batch_size_key: str, batching: MicroBatc
             f"{batch_size_key} / dp = {batch_size} / {dp_size} = {per_rank} samples per rank "
             f"must be divisible by {batching.size_key} ({batching.size})"
         )
+
+
+# ---- GRPO (verl's ppo_trainer.yaml names) -------------------------------------------------------------------------
+@dataclass
+class RLDataConfig:
+    train_files: Any
+    val_files: Any
+    max_prompt_length: int
+    max_response_length: int
+    train_batch_size: int
+    filter_overlong_prompts: bool
+    truncation: str
+    shuffle: bool
+    apply_chat_template_kwargs: dict[str, Any]
+
+
+@dataclass
+class RLModelConfig(ModelConfig):
+    path: str
+    use_remove_padding: bool
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig
+    ppo_mini_batch_size: int
+    ppo_micro_batch_size_per_gpu: int
+    use_dynamic_bsz: bool | None
+    ppo_max_token_len_per_gpu: int | None
+    ppo_epochs: int
+    shuffle: bool
+    clip_ratio: float
+    clip_ratio_low: float | None
+    clip_ratio_high: float | None
+    clip_ratio_c: float
+    policy_loss: PolicyLossConfig
+    loss_agg_mode: str
+    loss_scale_factor: float | None
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    ulysses_sequence_parallel_size: int
+    fsdp_config: FSDPConfig
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int
+    temperature: float
+    do_sample: bool
+
+
+@dataclass
+class RolloutConfig:
+    name: str
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    do_sample: bool
+    log_prob_micro_batch_size_per_gpu: int
+    val_kwargs: ValKwargsConfig
+
+
+@dataclass
+class RefFSDPConfig:
+    param_offload: bool
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int
+    fsdp_config: RefFSDPConfig
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: RLModelConfig
+    actor: ActorConfig
+    rollout: RolloutConfig
+    ref: RefConfig
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str
+    norm_adv_by_std_in_grpo: bool
+    gamma: float
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None
+    name: str
+
+
+@dataclass
+class GRPOTrainerConfig(TrainerConfig):
+    val_before_train: bool
+    rollout_data_dir: str | None
+
+
+@dataclass
+class GRPOConfig:
+    data: RLDataConfig
+    actor_rollout_ref: ActorRolloutRefConfig
+    algorithm: AlgorithmConfig
+    custom_reward_function: CustomRewardConfig
+    trainer: GRPOTrainerConfig
+
+    @property
+    def sequence_length(self) -> int:
+        return self.data.max_prompt_length + self.data.max_response_length
+
+    def micro_batching(self, size: int, size_key: str) -> MicroBatching:
+        """Forward passes of `size` sequences, or (use_dynamic_bsz=null, packed rows) a token budget worth `size`
+        sequences of the longest length: every RL loss here divides by the mini-batch's global counts, so the cut
+        never changes it."""
+        actor = self.actor_rollout_ref.actor
+        dynamic, max_tokens = actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+        if dynamic is None:
+            dynamic = self.actor_rollout_ref.model.use_remove_padding
+            if dynamic and max_tokens is None:
+                max_tokens = size * self.sequence_length
+        prefix = "actor_rollout_ref.actor."
+        return MicroBatching(size, dynamic, max_tokens, size_key, prefix + "use_dynamic_bsz", prefix + "ppo_max_token_len_per_gpu")
+
+
+def grpo_defaults() -> DictConfig:
+    return OmegaConf.load(os.path.join(os.path.dirname(__file__), "grpo_trainer.yaml"))
+
+
+def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
+    """Type-check and validate a GRPO config; every error names its key and its numbers."""
+    config: GRPOConfig = to_typed(cfg, GRPOConfig)
+    data, model = config.data, config.actor_rollout_ref.model
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    data.train_files = _as_path_list("data.train_files", data.train_files)
+    if not data.train_files:
+        raise ConfigError("data.train_files is required")
+    data.val_files = _as_path_list("data.val_files", data.val_files)
+    for key in ("max_prompt_length", "max_response_length", "train_batch_size"):
+        _positive(f"data.{key}", getattr(data, key))
+    _one_of("data.truncation", data.truncation, ("error", "left", "right"))
+    if not model.path:
+        raise ConfigError("actor_rollout_ref.model.path is required: a local Hugging Face model folder")
+    validate_model(model, "actor_rollout_ref.model")
+    validate_fsdp(actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
+    validate_optim(actor.optim, "actor_rollout_ref.actor.optim")
+    validate_trainer(config.trainer)
+    for key in ("ppo_mini_batch_size", "ppo_epochs", "clip_ratio"):
+        _positive(f"actor_rollout_ref.actor.{key}", getattr(actor, key))
+    validate_micro_batching(config.micro_batching(actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+                            config.sequence_length, "data.max_prompt_length + data.max_response_length")
+    if actor.clip_ratio_c <= 1:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip bounds -A * c), got {actor.clip_ratio_c}")
+    _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES)
+    _one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type.rstrip("+"), KL_ESTIMATORS)
+    if actor.ulysses_sequence_parallel_size != 1:
+        raise ConfigError("actor_rollout_ref.actor.ulysses_sequence_parallel_size: the GRPO trainer supports 1 only so far")
+    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf",))
+    _positive("actor_rollout_ref.rollout.n", rollout.n)
+    _positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
+    _positive("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
+    _positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+    _one_of("algorithm.adv_estimator", config.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS)
+    if config.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares responses of one prompt: "
+                          f"actor_rollout_ref.rollout.n must be >= 2, got {rollout.n}")
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
+                          f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
+    if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
+        warnings.warn(f"GSPO is defined with loss_agg_mode=seq-mean-token-mean; got {actor.loss_agg_mode}", stacklevel=2)
+    return config
+
+
+def check_rl_layout(config: GRPOConfig, dp_size: int) -> None:
+    """Sizes that depend on the number of data-parallel ranks, checked once the world is known."""
+    data, actor, n = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
+    if data.train_batch_size % dp_size:
+        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
+                          "each rank generates for whole prompts")
+    if actor.ppo_mini_batch_size % dp_size:
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) must be divisible by the "
+                          f"data-parallel size ({dp_size})")
+    per_rank = actor.ppo_mini_batch_size // dp_size * n
+    batching = config.micro_batching(actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    if not batching.dynamic and per_rank % actor.ppo_micro_batch_size_per_gpu:
+        raise ConfigError(f"ppo_mini_batch_size / dp * n = {per_rank} sequences per rank must be divisible by "
+                          f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu})")

@@ -44,12 +44,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total
     return LambdaLR(optimizer, lambda step: lr_factor(step, config, total_steps))
 
 
-def clipped_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, max_norm: float
-) -> tuple[float, bool]:
+def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
     """Clip on the global norm of the sharded gradients and step; a non-finite norm skips the update.
 
-    Returns (grad_norm, applied). The scheduler advances either way, so the schedule follows the step count.
+    Returns (grad_norm, applied). The LR schedule is the caller's to advance, once per training step whether or
+    not the update was applied (GRPO makes several optimizer steps in one training step).
     """
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
@@ -59,5 +58,4 @@ def clipped_step(
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
     return norm, applied

@@ -102,7 +102,8 @@ def run_sft(config: SFTConfig) -> None:
         with profile_step(step + 1 == config.trainer.profile_step, step + 1, config.trainer.default_local_dir, parallel.rank):
             micro_batches = plan_micro_batches(mine, config.micro_batching, parallel)
             local = train_step(model, micro_batches, config, parallel, tokenizer.pad_token_id)
-            grad_norm, applied = clipped_step(model, run.optimizer, run.scheduler, config.optim.clip_grad)
+            grad_norm, applied = clipped_step(model, run.optimizer, config.optim.clip_grad)
+            run.scheduler.step()
         nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
         elapsed = time.perf_counter() - start
         step += 1

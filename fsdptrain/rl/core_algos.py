@@ -1,0 +1,142 @@
+"""The GRPO family's formulas as pure tensor functions, with verl's names and definitions (verl's core_algos):
+advantage estimators, policy losses, KL estimators and the one aggregation they all go through.
+
+Per-token tensors are flat, (tokens,), as a packed micro-batch holds them: a 0/1 `mask` over the response tokens
+the policy produced and `sequences`, the index of each token's sequence. A (sequences, tokens) matrix is the same
+thing flattened with its row index as `sequences`.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("vanilla", "gspo")
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+# ---- advantages -----------------------------------------------------------------------------------------------
+def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Per-sequence advantages from per-sequence scores (B,) and group ids (B,) (sequences of one prompt).
+
+    grpo: (s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean; a one-sample group has mean 0
+    and std 1. rloo: n / (n - 1) (s - mean), the leave-one-out baseline. reinforce_plus_plus_baseline: s - mean
+    (the batch whitening follows in the caller, over every rank's sequences)."""
+    advantages = torch.empty_like(scores)
+    for group in groups.unique():
+        members = groups == group
+        group_scores = scores[members]
+        n = len(group_scores)
+        mean = group_scores.mean() if n > 1 else torch.zeros((), dtype=scores.dtype)
+        if estimator == "grpo":
+            std = group_scores.std() if n > 1 else torch.ones((), dtype=scores.dtype)
+            advantages[members] = (group_scores - mean) / (std + eps) if norm_by_std else group_scores - mean
+        elif estimator == "rloo":
+            advantages[members] = (group_scores - mean) * n / (n - 1) if n > 1 else torch.zeros_like(group_scores)
+        elif estimator == "reinforce_plus_plus_baseline":
+            advantages[members] = group_scores - mean
+        else:
+            raise ValueError(f"{estimator} is not a group estimator")
+    return advantages
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++'s returns of one response (tokens,): sum of gamma^k r_{t+k}, reset after its end (mask 0)."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros((), dtype=token_rewards.dtype)
+    for t in reversed(range(len(token_rewards))):
+        running = token_rewards[t] + gamma * running * mask[t]
+        returns[t] = running
+    return returns * mask
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, total: float, total_squares: float, count: float, eps: float = 1e-8) -> torch.Tensor:
+    """(v - mean) / sqrt(var + eps) over the masked tokens of the whole batch, from its global sums (so that every
+    rank whitens with the same statistics); Bessel-corrected variance, as verl's masked_whiten."""
+    mean = total / count
+    variance = (total_squares - count * mean**2) / max(count - 1, 1)
+    return (values - mean) * torch.rsqrt(torch.tensor(variance + eps, dtype=values.dtype)) * mask
+
+
+# ---- aggregation -----------------------------------------------------------------------------------------------
+def _per_sequence(values: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+    """Sums of `values` per sequence index (over the sequences present)."""
+    _, inverse = torch.unique(sequences, return_inverse=True)
+    return torch.zeros(int(inverse.max()) + 1 if len(inverse) else 0, dtype=values.dtype, device=values.device).index_add(0, inverse, values)
+
+
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor, mode: str, global_tokens: float,
+             global_sequences: float, max_response_length: int, loss_scale_factor: float | None = None) -> torch.Tensor:
+    """This rank's share of a mini-batch's loss from its per-token losses, over the mini-batch's global counts
+    (every DP rank, every micro-batch), so that the gradient is the same whatever the split.
+
+    token-mean: sum over all tokens / global token count. seq-mean-token-sum: per-sequence token sums, averaged
+    over global sequences. seq-mean-token-mean: per-sequence token means, averaged likewise.
+    seq-mean-token-sum-norm: token sums / (loss_scale_factor or max_response_length), averaged over sequences
+    (Dr. GRPO)."""
+    masked = loss * mask
+    if mode == "token-mean":
+        return masked.sum() / max(global_tokens, 1.0)
+    kept = mask > 0
+    sums = _per_sequence(masked[kept], sequences[kept])
+    if mode == "seq-mean-token-sum":
+        return sums.sum() / max(global_sequences, 1.0)
+    if mode == "seq-mean-token-mean":
+        return (sums / _per_sequence(mask[kept], sequences[kept])).sum() / max(global_sequences, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return (sums / (loss_scale_factor or max_response_length)).sum() / max(global_sequences, 1.0)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+# ---- policy losses ------------------------------------------------------------------------------------------------
+def vanilla_policy_loss(log_probs, old_log_probs, advantages, mask, sequences, clip_low: float, clip_high: float, clip_c: float):
+    """PPO's clipped surrogate with dual clip: per-token loss max(-A r, -A clip(r, 1-low, 1+high)), and for A < 0
+    at most -A c. Returns (per-token loss, clipped mask, lower-clipped mask)."""
+    ratio = torch.exp((log_probs - old_log_probs).clamp(-20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = -advantages * clip_c
+    lower = (loss > dual) & (advantages < 0)
+    loss = torch.where(advantages < 0, torch.minimum(loss, dual), loss)
+    return loss, (clipped > unclipped).float() * mask, lower.float() * mask
+
+
+def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequences, clip_low: float, clip_high: float, clip_c: float):
+    """GSPO: the sequence-level ratio exp(mean log-ratio over the response) carried to each token with a
+    stop-gradient (s_i,t = sg[s_i] exp(logp_t - sg[logp_t])), two-sided clip, no dual clip."""
+    _, inverse = torch.unique(sequences, return_inverse=True)
+    log_ratio = ((log_probs - old_log_probs) * mask).detach()
+    sequence_log_ratio = (_per_sequence(log_ratio, sequences) / _per_sequence(mask, sequences).clamp(min=1))[inverse]
+    ratio = torch.exp((sequence_log_ratio + log_probs - log_probs.detach()).clamp(max=10.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float() * mask, torch.zeros_like(mask)
+
+
+POLICY_LOSS: dict[str, Callable] = {"vanilla": vanilla_policy_loss, "gspo": gspo_policy_loss}
+
+
+# ---- KL ---------------------------------------------------------------------------------------------------------
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimates (verl's kl_penalty). kl/k1: logp - ref; abs: |logp - ref|; mse/k2:
+    (logp - ref)^2 / 2; low_var_kl/k3: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]. A `+` suffix
+    (e.g. `low_var_kl+`) takes the value of the estimator and the gradient of k2 (straight-through), an unbiased
+    gradient of KL."""
+    if estimator.endswith("+"):
+        value = kl_penalty(log_probs, ref_log_probs, estimator[:-1])
+        gradient = kl_penalty(log_probs, ref_log_probs, "k2")
+        return gradient + (value - gradient).detach()
+    difference = log_probs - ref_log_probs
+    if estimator in ("kl", "k1"):
+        return difference
+    if estimator == "abs":
+        return difference.abs()
+    if estimator in ("mse", "k2"):
+        return 0.5 * difference.square()
+    if estimator in ("low_var_kl", "k3"):
+        reverse = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
+        return (torch.exp(reverse) - reverse - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r}")

@@ -1,0 +1,80 @@
+"""Rollouts with transformers' `generate`, on every rank, from a plain (unsharded) copy of the policy that the
+trainer refreshes after each update. Runs wherever transformers runs; vLLM's engine (issue 20) is to plug in
+behind the same calls: generate, update_weights, sleep, wake_up."""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    response_ids: list[int]  # through the first end-of-turn token, or max_new_tokens of them
+    response_mask: list[int]  # 1 on tokens the policy produced (a multi-turn rollout gives tool output 0)
+    log_probs: list[float]  # the sampling log-probs: after temperature, top-k and top-p
+    truncated: bool  # stopped by max_new_tokens before an end token
+
+
+def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return sorted(eos if isinstance(eos, list) else [eos] if eos is not None else [fallback])
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
+    pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, do_sample: bool = True,
+) -> list[Generation]:
+    """`n` responses to each prompt (n in a row), in left-padded batches of `batch_size` sequences."""
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k, 0)) if do_sample else dict(do_sample=False)
+    jobs = [ids for ids in prompts for _ in range(n)]
+    generations = []
+    for first in range(0, len(jobs), batch_size):
+        batch = jobs[first : first + batch_size]
+        width = max(map(len, batch))
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=model.device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                                eos_token_id=end_ids, output_scores=True, return_dict_in_generate=True, **sampling)
+        tokens = output.sequences[:, width:]
+        scores = torch.stack(output.scores, dim=1).float()  # (batch, steps, vocab), as processed for sampling
+        log_probs = F.log_softmax(scores, dim=-1).gather(2, tokens[:, : scores.shape[1], None]).squeeze(2)
+        for row, ids in enumerate(tokens.tolist()):
+            end = next((i for i, token in enumerate(ids) if token in end_ids), None)
+            kept = len(ids) if end is None else end + 1
+            generations.append(Generation(batch[row], ids[:kept], [1] * kept, log_probs[row, :kept].tolist(), end is None))
+    return generations
+
+
+class HFRollout:
+    """The policy's rollout engine: a plain copy of the model on this rank's device, in `dtype`."""
+
+    def __init__(self, path: str, device: torch.device, dtype: torch.dtype, pad_id: int, trust_remote_code: bool = False):
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        self.model.requires_grad_(False).eval().to(device)
+        self.device, self.pad_id = device, pad_id
+        self.end_ids = end_token_ids(self.model, pad_id)
+
+    def generate(self, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, **sampling) -> list[Generation]:
+        return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, **sampling)
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each (name, full tensor) into the engine's model as it arrives; names are the model's own."""
+        parameters = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            parameters[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        """Free the accelerator for training; on CPU there is nothing to free."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)

@@ -1,0 +1,66 @@
+"""Run under torchrun by test_grpo.py: one GRPO mini-batch's gradient, for every loss mode and aggregation mode,
+written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared.
+
+    python -m torch.distributed.run --nproc_per_node=N -m tests.grpo_check MODEL_DIR OUT MICRO PACKED
+"""
+
+import itertools
+import sys
+
+import torch
+from hydra import compose, initialize_config_module
+from torch.distributed.tensor import DTensor
+
+from fsdptrain.config.schema import load_grpo_config
+from fsdptrain.data.dataset import Sample
+from fsdptrain.models.loading import load_model_config
+from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.trainer.grpo import compute_log_probs, mini_batch_backward
+from fsdptrain.trainer.setup import build_sharded_model, start_run
+
+model_dir, out, micro, packed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+
+
+def config(*overrides):
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
+            "data.train_files=unused.parquet", f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false", f"actor_rollout_ref.model.use_remove_padding={packed}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.use_dynamic_bsz=false",
+            "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
+
+
+base = config()
+parallel = start_run(base.trainer, sp_size=1)
+hf_config = load_model_config(model_dir, "model", base.actor_rollout_ref.model, 1)
+model = build_sharded_model(model_dir, base.actor_rollout_ref.model, base.actor_rollout_ref.actor.fsdp_config, hf_config, base.trainer,
+                            parallel, packed == "true", trainable=True)
+
+# Eight sequences, the same on every layout; each rank holds every dp-th one.
+g = torch.Generator().manual_seed(0)
+everything = []
+for i in range(8):
+    prompt, response = int(torch.randint(3, 9, (), generator=g)), int(torch.randint(2, 12, (), generator=g))
+    ids = torch.randint(3, 1000, (prompt + response,), generator=g)
+    mask = torch.cat([torch.zeros(prompt, dtype=torch.long), (torch.rand(response, generator=g) < 0.9).long()])
+    advantage = torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.randn((), generator=g)))])
+    everything.append(Sample(ids, mask, {"advantage": advantage, "sequence": torch.full((prompt + response,), float(i))}))
+mine = everything[parallel.dp_rank :: parallel.dp_size]
+current = compute_log_probs(model, mine, base.micro_batching(4, "size"), base, parallel, pad_id=0)
+for sample, log_probs, index in zip(mine, current, range(parallel.dp_rank, 8, parallel.dp_size)):
+    noise = torch.randn(len(sample), generator=torch.Generator().manual_seed(100 + index)) * 0.3  # ratios on both sides of the clip
+    sample.token_values["old_log_prob"] = log_probs + noise * sample.loss_mask
+
+gradients = {}
+for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES):
+    variant = config(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}",
+                     "actor_rollout_ref.actor.entropy_coeff=0.01")
+    model.zero_grad(set_to_none=True)
+    mini_batch_backward(model, mine, variant, parallel, pad_id=0, first_pass_is_old=False)
+    gradients[f"{loss_mode} {agg_mode}"] = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()
+    }
+if parallel.is_main:
+    torch.save(gradients, out)
+torch.distributed.destroy_process_group()
+print("ok", parallel.rank)

@@ -1,0 +1,129 @@
+"""The GRPO family's formulas against values worked out by hand and against verl's definitions written out here
+(per-group loops as verl's core_algos writes them), on small tensors with padding masks."""
+
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+from fsdptrain.rl import core_algos
+
+
+def verl_group_advantages(scores, index, estimator, norm_by_std=True, eps=1e-6):
+    """verl's loop: scores grouped by prompt index; one-sample groups get mean 0 (and std 1)."""
+    groups = defaultdict(list)
+    for i, s in enumerate(scores.tolist()):
+        groups[index[i]].append(s)
+    out = []
+    for i, s in enumerate(scores.tolist()):
+        members = torch.tensor(groups[index[i]])
+        n = len(members)
+        mean = members.mean() if n > 1 else torch.tensor(0.0)
+        if estimator == "grpo":
+            std = members.std() if n > 1 else torch.tensor(1.0)
+            out.append((s - mean) / (std + eps) if norm_by_std else s - mean)
+        elif estimator == "rloo":
+            out.append(s * n / (n - 1) - mean * n / (n - 1) if n > 1 else torch.tensor(0.0))
+        else:
+            out.append(s - mean)
+    return torch.stack([torch.as_tensor(o, dtype=torch.float32) for o in out])
+
+
+def test_grpo_advantages_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1])
+    std = math.sqrt(1 / 3)  # Bessel's: four scores ±0.5 around 0.5
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0.5]) / torch.tensor([std + 1e-6] * 4 + [1 + 1e-6])
+    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "grpo"), expected)
+    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "grpo", norm_by_std=False),
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, 0.5]))  # Dr. GRPO: no std, a lone sample keeps its score
+    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_group_advantages_equal_verls_loops(estimator, norm):
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(14, generator=g)
+    index = [0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 3, 3, 3, 3]
+    got = core_algos.group_advantages(scores, torch.tensor(index), estimator, norm_by_std=norm)
+    torch.testing.assert_close(got, verl_group_advantages(scores, index, estimator, norm), rtol=1e-6, atol=1e-6)
+
+
+def test_reinforce_plus_plus_returns_and_whitening():
+    rewards, mask = torch.tensor([0.0, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 0.0])
+    torch.testing.assert_close(core_algos.discounted_returns(rewards, mask, 0.5), torch.tensor([0.25, 0.5, 1.0, 0.0]))
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    whitened = core_algos.masked_whiten(values, torch.ones(4), total=10.0, total_squares=30.0, count=4.0)
+    torch.testing.assert_close(whitened, (values - 2.5) / math.sqrt(5 / 3 + 1e-8))
+
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+SEQUENCES = torch.tensor([[0, 0, 0], [1, 1, 1]])
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [("token-mean", 7 / 3), ("seq-mean-token-sum", 3.5), ("seq-mean-token-mean", 2.75), ("seq-mean-token-sum-norm", 7 / 6)],
+)
+def test_aggregation_by_hand_and_split_anywhere(mode, expected):
+    agg = lambda loss, mask, sequences: core_algos.agg_loss(  # noqa: E731
+        loss.flatten(), mask.flatten(), sequences.flatten(), mode, global_tokens=3, global_sequences=2, max_response_length=3)
+    assert float(agg(LOSS, MASK, SEQUENCES)) == pytest.approx(expected)
+    # Split by sequence (two ranks or micro-batches), each over the global counts: the halves sum to the whole.
+    halves = sum(float(agg(LOSS[i : i + 1], MASK[i : i + 1], SEQUENCES[i : i + 1])) for i in range(2))
+    assert halves == pytest.approx(expected)
+    if mode == "seq-mean-token-sum-norm":
+        scaled = core_algos.agg_loss(LOSS.flatten(), MASK.flatten(), SEQUENCES.flatten(), mode, 3, 2, 3, loss_scale_factor=2.0)
+        assert float(scaled) == pytest.approx((3 / 2 + 4 / 2) / 2)
+
+
+def test_vanilla_loss_clips_and_dual_clips_by_hand():
+    advantages = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    ratios = torch.tensor([1.5, 0.5, 5.0, 1.1])
+    old = torch.zeros(4)
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    loss, clipped, lower = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, torch.zeros(4, dtype=torch.long), 0.2, 0.2, 3.0)
+    # A=1, r=1.5: max(-1.5, -1.2) = -1.2 (clipped); A=-1, r=0.5: max(0.5, 0.8) = 0.8 (clipped);
+    # A=-1, r=5: max(5, 1.2) = 5, dual clip min(5, 3) = 3 (lower-clipped); A=1, r=1.1: -1.1.
+    torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8, 3.0, -1.1]))
+    assert clipped.tolist() == [1.0, 1.0, 0.0, 0.0] and lower.tolist() == [0.0, 0.0, 1.0, 0.0]
+    loss, _, _ = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, torch.zeros(4, dtype=torch.long), 0.2, 0.28, 3.0)
+    assert float(loss[0]) == pytest.approx(-1.28)  # clip-higher
+
+
+def test_first_ratio_is_exactly_one_and_its_gradient_is_the_advantage():
+    log_probs = torch.tensor([-2.0, -1.0, -3.0], requires_grad=True)
+    advantages = torch.tensor([0.5, -1.0, 2.0])
+    loss, clipped, _ = core_algos.vanilla_policy_loss(log_probs, log_probs.detach(), advantages, torch.ones(3), torch.zeros(3, dtype=torch.long),
+                                                      0.2, 0.2, 3.0)
+    torch.testing.assert_close(loss, -advantages)
+    loss.sum().backward()
+    torch.testing.assert_close(log_probs.grad, -advantages)
+    assert clipped.sum() == 0
+
+
+def test_gspo_uses_the_sequence_ratio_with_token_gradients():
+    log_probs = torch.tensor([math.log(2.0), 0.0, -1.0], requires_grad=True)
+    old = torch.tensor([0.0, 0.0, -1.0])
+    sequences, mask = torch.tensor([0, 0, 1]), torch.ones(3)
+    advantages = torch.tensor([1.0, 1.0, -1.0])
+    loss, clipped, _ = core_algos.gspo_policy_loss(log_probs, old, advantages, mask, sequences, 0.5, 0.5, 3.0)
+    # sequence 0: exp(mean(log 2, 0)) = sqrt(2), inside 1.5: -sqrt(2) on both tokens; sequence 1: ratio 1
+    torch.testing.assert_close(loss.detach(), torch.tensor([-math.sqrt(2), -math.sqrt(2), 1.0]))
+    loss.sum().backward()
+    torch.testing.assert_close(log_probs.grad, torch.tensor([-math.sqrt(2), -math.sqrt(2), 1.0]))  # d/dlogp_t of -A s_i
+    assert clipped.sum() == 0
+
+
+def test_kl_estimators_by_hand_and_straight_through_gradient():
+    log_probs, ref = torch.tensor([-1.0], requires_grad=True), torch.tensor([-2.0])
+    expected = {"kl": 1.0, "k1": 1.0, "abs": 1.0, "mse": 0.5, "k2": 0.5, "low_var_kl": math.exp(-1) + 1 - 1, "k3": math.exp(-1)}
+    for estimator, value in expected.items():
+        assert float(core_algos.kl_penalty(log_probs, ref, estimator)) == pytest.approx(value), estimator
+    straight = core_algos.kl_penalty(log_probs, ref, "low_var_kl+")
+    assert float(straight) == pytest.approx(math.exp(-1))  # the value of k3
+    straight.backward()
+    assert float(log_probs.grad) == pytest.approx(1.0)  # the gradient of k2: logp - ref

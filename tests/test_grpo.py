@@ -1,0 +1,154 @@
+"""The GRPO trainer through its real CLI under torchrun (gloo, CPU): config rules, a mini-batch's gradient whatever
+the layout, a full run with every metric, its rollout dump and checkpoint, resume, and learning."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from fsdptrain.config.schema import ConfigError, load_grpo_config
+
+from conftest import REPO, read_metrics, save_tiny_model, torchrun
+
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    share = solution_str.count("e") / max(len(solution_str), 1)
+    return {"score": share, "acc": float(share > 0.1), "length": float(len(solution_str))}
+"""
+
+
+def grpo_config(*overrides):
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
+            "data.train_files=train.parquet", "actor_rollout_ref.model.path=/models/x", *overrides]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "clip_ratio_c must be > 1"),
+        (["actor_rollout_ref.rollout.n=1"], "algorithm.adv_estimator=grpo compares responses of one prompt: actor_rollout_ref.rollout.n must be >= 2, got 1"),
+        (["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], r"data.train_batch_size \(10\) must be divisible by"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "loss_mode must be one of vanilla|gspo"),
+        (["actor_rollout_ref.actor.loss_agg_mode=token-sum"], "loss_agg_mode must be one of"),
+        (["actor_rollout_ref.actor.kl_loss_type=k9+"], "kl_loss_type must be one of"),
+        (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator must be one of"),
+        (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr must be > 0"),
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true"], "actor_rollout_ref.actor.ppo_max_token_len_per_gpu is required"),
+    ],
+)
+def test_bad_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("|", r"\|")):
+        grpo_config(*overrides)
+
+
+def test_gspo_with_another_aggregation_warns():
+    with pytest.warns(UserWarning, match="seq-mean-token-mean"):
+        grpo_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo")
+
+
+@pytest.mark.slow
+def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_llama):
+    """Every loss mode and aggregation mode (fp32): one process with micro-batches of 8 packed sequences, against
+    two processes with micro-batches of 1 packed and of 3 padded ones."""
+    layouts = {"dp1-micro8-packed": (1, 8, "true"), "dp2-micro1-packed": (2, 1, "true"), "dp2-micro3-padded": (2, 3, "false")}
+    gradients = {}
+    for name, (nproc, micro, packed) in layouts.items():
+        out = str(tmp_path / f"{name}.pt")
+        torchrun(nproc, "tests.grpo_check", [tiny_llama, out, str(micro), packed])
+        gradients[name] = torch.load(out)
+    reference = gradients.pop("dp1-micro8-packed")
+    assert len(reference) == 8
+    for layout, runs in gradients.items():
+        for combination, grads in runs.items():
+            scale = max(float(g.abs().max()) for g in reference[combination].values())
+            assert scale > 0
+            for parameter, grad in grads.items():
+                # fp32 log-probs of another packing differ in their last bits; the gradient agrees to 2e-5 of its scale
+                torch.testing.assert_close(grad, reference[combination][parameter], rtol=0, atol=2e-5 * scale,
+                                           msg=lambda m, p=parameter, c=combination, la=layout: f"{la} {c} {p}: {m}")
+
+
+@pytest.fixture(scope="module")
+def rl_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl")
+    subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(out), "--train", "32", "--val", "4", "--test", "4"],
+                   cwd=REPO, check=True, capture_output=True)
+    (out / "reward.py").write_text(REWARD)
+    return out
+
+
+def grpo_args(model: str, data: Path, out: str, **overrides) -> list[str]:
+    args = {
+        "data.train_files": str(data / "rl_train.parquet"), "data.val_files": str(data / "rl_val.parquet"),
+        "data.max_prompt_length": 96, "data.max_response_length": 8, "data.train_batch_size": 4, "data.shuffle": "false",
+        "actor_rollout_ref.model.path": model, "actor_rollout_ref.model.enable_gradient_checkpointing": "false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.actor.optim.lr": "1e-3",
+        "actor_rollout_ref.rollout.n": 4, "custom_reward_function.path": str(data / "reward.py"),
+        "trainer.total_training_steps": 2, "trainer.logger": "[file]", "trainer.default_local_dir": out, "trainer.device": "cpu",
+    }
+    args.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+METRICS = [
+    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max",
+    "critic/advantages/min", "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
+    "prompt_length/mean", "prompt_length/max", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+    "actor/entropy", "actor/kl_loss", "actor/kl_coef", "actor/grad_norm", "actor/lr", "frac_reward_zero_std", "timing_s/gen",
+    "timing_s/reward", "timing_s/ref", "timing_s/adv", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
+    "perf/throughput", "perf/max_memory_gb",
+]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_llama, rl_data):
+    out = str(tmp_path_factory.mktemp("grpo"))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__actor__use_kl_loss="true",
+                                                    trainer__test_freq=2, trainer__rollout_data_dir=f"{out}/rollouts",
+                                                    trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]"))
+    return out
+
+
+@pytest.mark.slow
+def test_a_run_writes_every_metric_the_rollouts_and_a_checkpoint(straight):
+    metrics = read_metrics(straight)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in METRICS:
+        assert all(key in m for m in metrics), key
+    assert "val-core/arithmetic/acc/mean@1" in metrics[-1] and "val-core/arithmetic/reward/mean@1" in metrics[-1]
+    # One mini-batch and one epoch: the old policy is the current one, so every ratio is exactly 1.
+    assert all(m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0 for m in metrics)
+    rows = [json.loads(line) for line in open(os.path.join(straight, "rollouts", "2.jsonl"))]
+    assert len(rows) == 16 and {"prompt", "response", "score", "acc", "length", "advantage", "ground_truth"} <= set(rows[0])
+    assert os.path.isfile(os.path.join(straight, "global_step_2", "huggingface", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_run(tmp_path, tiny_llama, rl_data, straight):
+    out = str(tmp_path)
+    common = dict(actor_rollout_ref__actor__use_kl_loss="true", trainer__save_freq=1)
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, **common))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, **common))
+    resumed, reference = read_metrics(out), read_metrics(straight)
+    assert [m["step"] for m in resumed] == [1, 2]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+        assert resumed[1][key] == pytest.approx(reference[1][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_the_preferred_token_rises(tmp_path, tokenizer, rl_data):
+    """A tiny Llama whose large initial weights make its samples peaked, rewarded for the share of 'e' in what it
+    writes: the mean score rises within six steps."""
+    model = save_tiny_model(tmp_path / "peaked", "llama", tokenizer, initializer_range=1.0)
+    out = str(tmp_path / "run")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(model, rl_data, out, data__train_batch_size=8, actor_rollout_ref__actor__ppo_mini_batch_size=8,
+                                                    actor_rollout_ref__rollout__n=8, actor_rollout_ref__actor__optim__lr="2e-2",
+                                                    trainer__total_training_steps=6, data__val_files="null", data__shuffle="true"))
+    scores = [m["critic/score/mean"] for m in read_metrics(out)]
+    assert sum(scores[-2:]) > 1.15 * sum(scores[:2]), scores
