@@ -25,3 +25,10 @@ def test_smoke_names_the_failed_check(tmp_path, tiny_llama, chat_data):
     result = smoke(tmp_path, tiny_llama, chat_data, "trainer.test_freq=-1")
     assert result.returncode != 0
     assert "SMOKE FAILED: validation: no val/loss at step 5" in result.stderr
+
+
+def test_grpo_smoke_passes(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", "scripts/smoke_grpo.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SMOKE OK" in result.stdout
