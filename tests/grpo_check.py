@@ -2,6 +2,8 @@
 written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared.
 
     python -m torch.distributed.run --nproc_per_node=N -m tests.grpo_check MODEL_DIR OUT MICRO PACKED
+
+MICRO is sequences per micro-batch, or `default` for the defaults (packed rows filled to a token budget).
 """
 
 import itertools
@@ -21,13 +23,15 @@ from fsdptrain.trainer.setup import build_sharded_model, start_run
 model_dir, out, micro, packed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 
 
+LAYOUT = [] if micro == "default" else [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.use_dynamic_bsz=false"]
+
+
 def config(*overrides):
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
         return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
             "data.train_files=unused.parquet", f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
             "actor_rollout_ref.model.enable_gradient_checkpointing=false", f"actor_rollout_ref.model.use_remove_padding={packed}",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.use_dynamic_bsz=false",
-            "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
+            *LAYOUT, "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
 
 
 base = config()

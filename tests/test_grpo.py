@@ -55,8 +55,9 @@ def test_gspo_with_another_aggregation_warns():
 @pytest.mark.slow
 def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_llama):
     """Every loss mode and aggregation mode (fp32): one process with micro-batches of 8 packed sequences, against
-    two processes with micro-batches of 1 packed and of 3 padded ones."""
-    layouts = {"dp1-micro8-packed": (1, 8, "true"), "dp2-micro1-packed": (2, 1, "true"), "dp2-micro3-padded": (2, 3, "false")}
+    two processes with micro-batches of 1 packed and of 3 padded ones, and at the defaults (a token budget)."""
+    layouts = {"dp1-micro8-packed": (1, 8, "true"), "dp2-micro1-packed": (2, 1, "true"), "dp2-micro3-padded": (2, 3, "false"),
+               "dp2-defaults": (2, "default", "true")}
     gradients = {}
     for name, (nproc, micro, packed) in layouts.items():
         out = str(tmp_path / f"{name}.pt")
