@@ -112,6 +112,7 @@ def straight(tmp_path_factory, tiny_llama, rl_data):
     out = str(tmp_path_factory.mktemp("grpo"))
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__actor__use_kl_loss="true",
                                                     trainer__test_freq=2, trainer__rollout_data_dir=f"{out}/rollouts",
+                                                    trainer__logger="[file,tensorboard]", trainer__plot_freq=1,
                                                     trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]"))
     return out
 
@@ -128,6 +129,20 @@ def test_a_run_writes_every_metric_the_rollouts_and_a_checkpoint(straight):
     rows = [json.loads(line) for line in open(os.path.join(straight, "rollouts", "2.jsonl"))]
     assert len(rows) == 16 and {"prompt", "response", "score", "acc", "length", "advantage", "ground_truth"} <= set(rows[0])
     assert os.path.isfile(os.path.join(straight, "global_step_2", "huggingface", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_plots_are_written_and_sent_to_tensorboard(straight):
+    from matplotlib.image import imread
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for name in ("score", "val_acc", "response_length"):
+        image = imread(os.path.join(straight, "plots", f"{name}.png"))
+        assert image.shape[0] > 100 and image.std() > 0, name  # a drawn picture, not an empty canvas
+    events = EventAccumulator(os.path.join(straight, "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert {"plots/score", "plots/response_length"} <= set(events.Tags()["images"])
+    assert [e.step for e in events.Images("plots/score")] == [1, 2]
 
 
 @pytest.mark.slow

@@ -420,6 +420,7 @@ class CustomRewardConfig:
 class GRPOTrainerConfig(TrainerConfig):
     val_before_train: bool
     rollout_data_dir: str | None
+    plot_freq: int
 
 
 @dataclass
@@ -470,6 +471,8 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     validate_fsdp(actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
     validate_optim(actor.optim, "actor_rollout_ref.actor.optim")
     validate_trainer(config.trainer)
+    if config.trainer.plot_freq == 0 or config.trainer.plot_freq < -1:
+        raise ConfigError(f"trainer.plot_freq must be -1 (at the end only) or > 0, got {config.trainer.plot_freq}")
     for key in ("ppo_mini_batch_size", "ppo_epochs", "clip_ratio"):
         _positive(f"actor_rollout_ref.actor.{key}", getattr(actor, key))
     validate_micro_batching(config.micro_batching(actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),

@@ -34,6 +34,9 @@ class FileSink:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
 
+    def log_images(self, paths: list[str], step: int) -> None:
+        pass  # the PNG files are on disk already
+
     def close(self) -> None:
         self.file.close()
 
@@ -41,6 +44,9 @@ class FileSink:
 class ConsoleSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         tqdm.write(f"step {step} | " + " | ".join(f"{k} {_format(v)}" for k, v in metrics.items()))
+
+    def log_images(self, paths: list[str], step: int) -> None:
+        tqdm.write(f"step {step} | plots: {', '.join(paths)}")
 
     def close(self) -> None:
         pass
@@ -55,6 +61,11 @@ class WandbSink:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_images(self, paths: list[str], step: int) -> None:
+        import wandb
+
+        self.run.log({f"plots/{os.path.splitext(os.path.basename(p))[0]}": wandb.Image(p) for p in paths}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -71,6 +82,13 @@ class TensorboardSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_images(self, paths: list[str], step: int) -> None:
+        from matplotlib.image import imread
+
+        for path in paths:
+            self.writer.add_image(f"plots/{os.path.splitext(os.path.basename(path))[0]}", imread(path)[..., :3], step, dataformats="HWC")
         self.writer.flush()
 
     def close(self) -> None:
@@ -104,6 +122,10 @@ class MetricLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for sink in self.sinks:
             sink.log(metrics, step)
+
+    def log_images(self, paths: list[str], step: int) -> None:
+        for sink in self.sinks:
+            sink.log_images(paths, step)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -25,6 +25,7 @@ from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks
 from fsdptrain.evaluate import evaluate, summarize
+from fsdptrain.logging.plots import write_plots
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
 from fsdptrain.rl import core_algos
@@ -33,7 +34,7 @@ from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_sample
 from fsdptrain.rl.rollout.hf import Generation, HFRollout
 from fsdptrain.trainer.optim import clipped_step
 from fsdptrain.trainer.runtime import log, peak_memory_gb
-from fsdptrain.trainer.setup import build_sharded_model, open_run, start_run
+from fsdptrain.trainer.setup import Run, build_sharded_model, open_run, start_run
 
 
 def fit_prompts(prompts: list[Prompt], config: GRPOConfig, source: str) -> list[Prompt]:
@@ -251,6 +252,7 @@ def run_grpo(config: GRPOConfig) -> None:
     ref_batching = config.micro_batching(config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
                                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
     one_pass = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size
+    history = []  # this process's steps, for the plots
     while step < total_steps:
         epoch, index = divmod(step, steps_per_epoch)
         batch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle)[index]
@@ -331,11 +333,23 @@ def run_grpo(config: GRPOConfig) -> None:
         if config.trainer.rollout_data_dir:
             dump_rollouts(config.trainer.rollout_data_dir, step, prompts, scored, response_advantages, rollout_config.n, parallel)
         run.logger.log(metrics, step)
+        history.append({"step": step, **metrics})
+        if last or (config.trainer.plot_freq > 0 and step % config.trainer.plot_freq == 0):
+            plot(history, lengths, config, run, parallel, step)
         run.bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", length=f"{metrics['response_length/mean']:.0f}")
         run.bar.update(1)
         if last or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0):
             run.checkpoints.save(step)
     run.finish()
+
+
+def plot(history: list[dict], lengths: list[int], config: GRPOConfig, run: Run, parallel: Parallel, step: int) -> None:
+    """The plots of the steps so far (rank 0 draws them from every rank's response lengths)."""
+    everyone = [None] * parallel.world_size
+    dist.all_gather_object(everyone, lengths)
+    if parallel.is_main:
+        paths = write_plots(history, [n for part in everyone for n in part], os.path.join(config.trainer.default_local_dir, "plots"))
+        run.logger.log_images(paths, step)
 
 
 def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: list[dict], advantages: list[float], n: int,
