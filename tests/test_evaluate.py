@@ -21,6 +21,7 @@ from fsdptrain.rl.rewards import (
     last_boxed,
     load_reward_function,
     math_score,
+    overlong_penalty,
     score_sample,
 )
 
@@ -161,3 +162,9 @@ def test_evaluate_equals_generation_and_scoring_done_here(tmp_path, tiny_llama, 
     assert figures["acc"] == pytest.approx(accuracy) and figures["n"] == len(records)
     assert figures["acc_se"] == pytest.approx(math.sqrt(accuracy * (1 - accuracy) / len(records)))
     assert "arithmetic" in result.stdout and "± se" in result.stdout
+
+
+def test_overlong_penalty_falls_linearly_over_the_buffer():
+    # max 100 tokens, buffer 20: no penalty up to 80, -0.5 at 90, -1 at 100 (factor 1), -2 with factor 2
+    assert [overlong_penalty(n, 100, 20, 1.0) for n in (50, 80, 90, 100)] == [0.0, 0.0, -0.5, -1.0]
+    assert overlong_penalty(100, 100, 20, 2.0) == -2.0

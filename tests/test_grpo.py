@@ -40,6 +40,7 @@ def grpo_config(*overrides):
         (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator must be one of"),
         (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr must be > 0"),
         (["actor_rollout_ref.actor.use_dynamic_bsz=true"], "actor_rollout_ref.actor.ppo_max_token_len_per_gpu is required"),
+        (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=600"], r"overlong_buffer.len must be in \(0, data"),
     ],
 )
 def test_bad_values_are_named(overrides, message):
@@ -113,6 +114,7 @@ def straight(tmp_path_factory, tiny_llama, rl_data):
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__actor__use_kl_loss="true",
                                                     trainer__test_freq=2, trainer__rollout_data_dir=f"{out}/rollouts",
                                                     trainer__logger="[file,tensorboard]", trainer__plot_freq=1,
+                                                    reward_model__overlong_buffer__enable="true", reward_model__overlong_buffer__len=4,
                                                     trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]"))
     return out
 
@@ -128,6 +130,9 @@ def test_a_run_writes_every_metric_the_rollouts_and_a_checkpoint(straight):
     assert all(m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0 for m in metrics)
     rows = [json.loads(line) for line in open(os.path.join(straight, "rollouts", "2.jsonl"))]
     assert len(rows) == 16 and {"prompt", "response", "score", "acc", "length", "advantage", "ground_truth"} <= set(rows[0])
+    # DAPO's overlong penalty: 4 tokens past max_response_length - len(buffer) = 4 at the 8-token limit costs 1
+    for row in rows:
+        assert row["overlong_penalty"] == pytest.approx(min(-(row["response_length"] - 4) / 4, 0.0))
     assert os.path.isfile(os.path.join(straight, "global_step_2", "huggingface", "model.safetensors"))
 
 
@@ -148,7 +153,8 @@ def test_plots_are_written_and_sent_to_tensorboard(straight):
 @pytest.mark.slow
 def test_resume_continues_the_same_run(tmp_path, tiny_llama, rl_data, straight):
     out = str(tmp_path)
-    common = dict(actor_rollout_ref__actor__use_kl_loss="true", trainer__save_freq=1)
+    common = dict(actor_rollout_ref__actor__use_kl_loss="true", trainer__save_freq=1, reward_model__overlong_buffer__enable="true",
+                  reward_model__overlong_buffer__len=4)
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, **common))
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, **common))
     resumed, reference = read_metrics(out), read_metrics(straight)

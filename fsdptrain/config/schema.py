@@ -417,6 +417,18 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool
+    len: int
+    penalty_factor: float
+
+
+@dataclass
+class RewardModelConfig:
+    overlong_buffer: OverlongBufferConfig
+
+
+@dataclass
 class GRPOTrainerConfig(TrainerConfig):
     val_before_train: bool
     rollout_data_dir: str | None
@@ -429,6 +441,7 @@ class GRPOConfig:
     actor_rollout_ref: ActorRolloutRefConfig
     algorithm: AlgorithmConfig
     custom_reward_function: CustomRewardConfig
+    reward_model: RewardModelConfig
     trainer: GRPOTrainerConfig
 
     @property
@@ -493,6 +506,10 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     if config.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares responses of one prompt: "
                           f"actor_rollout_ref.rollout.n must be >= 2, got {rollout.n}")
+    overlong = config.reward_model.overlong_buffer
+    if overlong.enable and not 0 < overlong.len <= data.max_response_length:
+        raise ConfigError(f"reward_model.overlong_buffer.len must be in (0, data.max_response_length={data.max_response_length}], "
+                          f"got {overlong.len}")
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
                           f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")

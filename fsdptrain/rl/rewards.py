@@ -130,3 +130,10 @@ def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: An
         raise RewardError(f"the reward function returned {result!r} for {sample}: a finite score is required")
     scores.setdefault("acc", float(scores["score"] > 0))
     return scores
+
+
+def overlong_penalty(response_length: int, max_response_length: int, buffer_length: int, penalty_factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_response_length - buffer_length tokens, then falling linearly
+    to -penalty_factor at max_response_length."""
+    exceed = response_length - (max_response_length - buffer_length)
+    return min(-exceed / buffer_length * penalty_factor, 0.0)

@@ -30,7 +30,7 @@ from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.data import Prompt, load_prompts
-from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_sample
+from fsdptrain.rl.rewards import RewardFn, load_reward_function, overlong_penalty, score_sample
 from fsdptrain.rl.rollout.hf import Generation, HFRollout
 from fsdptrain.trainer.optim import clipped_step
 from fsdptrain.trainer.runtime import log, peak_memory_gb
@@ -60,13 +60,21 @@ def fit_prompts(prompts: list[Prompt], config: GRPOConfig, source: str) -> list[
     return kept
 
 
-def score(generations: Sequence[Generation], prompts: Sequence[Prompt], n: int, reward_fn: RewardFn, tokenizer, step: int) -> list[dict]:
+def score(generations: Sequence[Generation], prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer, config: GRPOConfig, step: int) -> list[dict]:
+    """Each response's scores from the reward function, with DAPO's overlong penalty added to `score` where on."""
+    n, overlong = config.actor_rollout_ref.rollout.n, config.reward_model.overlong_buffer
     scores = []
     for i, generation in enumerate(generations):
         prompt = prompts[i // n]
         text = tokenizer.decode(generation.response_ids, skip_special_tokens=True)
         where = f"step {step}, prompt {i // n} ({prompt.data_source}) of this rank, response {i % n}"
-        scores.append({**score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, where), "response": text})
+        scored = {**score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, where), "response": text,
+                  "response_length": len(generation.response_ids)}
+        if overlong.enable:
+            scored["overlong_penalty"] = overlong_penalty(len(generation.response_ids), config.data.max_response_length, overlong.len,
+                                                          overlong.penalty_factor)
+            scored["score"] += scored["overlong_penalty"]
+        scores.append(scored)
     return scores
 
 
@@ -269,7 +277,7 @@ def run_grpo(config: GRPOConfig) -> None:
         timing["gen"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        scored = score(generations, prompts, rollout_config.n, reward_fn, tokenizer, step + 1)
+        scored = score(generations, prompts, reward_fn, tokenizer, config, step + 1)
         scores = torch.tensor([s["score"] for s in scored])
         timing["reward"] = time.perf_counter() - tick
         tick = time.perf_counter()
