@@ -127,3 +127,17 @@ def test_kl_estimators_by_hand_and_straight_through_gradient():
     assert float(straight) == pytest.approx(math.exp(-1))  # the value of k3
     straight.backward()
     assert float(log_probs.grad) == pytest.approx(1.0)  # the gradient of k2: logp - ref
+
+
+def test_kl_controllers_by_hand():
+    fixed = core_algos.KLController("fixed", 0.1, target=0.05, horizon=100)
+    fixed.update(current_kl=1.0, n_steps=50)
+    assert fixed.value == 0.1
+    adaptive = core_algos.KLController("adaptive", 0.1, target=0.05, horizon=100)
+    adaptive.update(current_kl=0.06, n_steps=50)  # error 0.06 / 0.05 - 1 = 0.2: x (1 + 0.2 * 50 / 100)
+    assert adaptive.value == pytest.approx(0.11)
+    adaptive.update(current_kl=1.0, n_steps=50)  # error clipped to 0.2
+    assert adaptive.value == pytest.approx(0.121)
+    restored = core_algos.KLController("adaptive", 0.1, target=0.05, horizon=100)
+    restored.load_state_dict(adaptive.state_dict())
+    assert restored.value == adaptive.value

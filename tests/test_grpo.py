@@ -115,6 +115,8 @@ def straight(tmp_path_factory, tiny_llama, rl_data):
                                                     trainer__test_freq=2, trainer__rollout_data_dir=f"{out}/rollouts",
                                                     trainer__logger="[file,tensorboard]", trainer__plot_freq=1,
                                                     reward_model__overlong_buffer__enable="true", reward_model__overlong_buffer__len=4,
+                                                    algorithm__use_kl_in_reward="true", algorithm__kl_ctrl__type="adaptive",
+                                                    algorithm__kl_ctrl__horizon=10, algorithm__kl_ctrl__target_kl=1e-6,
                                                     trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]"))
     return out
 
@@ -126,8 +128,11 @@ def test_a_run_writes_every_metric_the_rollouts_and_a_checkpoint(straight):
     for key in METRICS:
         assert all(key in m for m in metrics), key
     assert "val-core/arithmetic/acc/mean@1" in metrics[-1] and "val-core/arithmetic/reward/mean@1" in metrics[-1]
-    # One mini-batch and one epoch: the old policy is the current one, so every ratio is exactly 1.
-    assert all(m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0 for m in metrics)
+    # The reward's KL needs the old policy's log-probs first; they equal the updating pass's to float precision.
+    assert all(abs(m["actor/ppo_kl"]) < 1e-6 for m in metrics)
+    # At step 1 the old policy is the reference (KL 0); at step 2 the reward carries the KL penalty.
+    assert metrics[0]["critic/rewards/mean"] == metrics[0]["critic/score/mean"] and metrics[0]["actor/reward_kl_penalty"] == 0.0
+    assert metrics[1]["critic/rewards/mean"] != metrics[1]["critic/score/mean"] and metrics[1]["actor/reward_kl_penalty"] != 0.0
     rows = [json.loads(line) for line in open(os.path.join(straight, "rollouts", "2.jsonl"))]
     assert len(rows) == 16 and {"prompt", "response", "score", "acc", "length", "advantage", "ground_truth"} <= set(rows[0])
     # DAPO's overlong penalty: 4 tokens past max_response_length - len(buffer) = 4 at the 8-token limit costs 1
@@ -154,12 +159,17 @@ def test_plots_are_written_and_sent_to_tensorboard(straight):
 def test_resume_continues_the_same_run(tmp_path, tiny_llama, rl_data, straight):
     out = str(tmp_path)
     common = dict(actor_rollout_ref__actor__use_kl_loss="true", trainer__save_freq=1, reward_model__overlong_buffer__enable="true",
-                  reward_model__overlong_buffer__len=4)
+                  reward_model__overlong_buffer__len=4, algorithm__use_kl_in_reward="true", algorithm__kl_ctrl__type="adaptive",
+                  algorithm__kl_ctrl__horizon=10, algorithm__kl_ctrl__target_kl=1e-6)
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, **common))
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, **common))
     resumed, reference = read_metrics(out), read_metrics(straight)
     assert [m["step"] for m in resumed] == [1, 2]
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+    # The adaptive KL coefficient moved at step 1 and was checkpointed: step 2 starts from the moved value.
+    # (KL 0 at step 1, under the target: error -1, clipped to -0.2, times 16 sequences / horizon 10)
+    assert resumed[1]["actor/reward_kl_penalty_coeff"] == pytest.approx(resumed[0]["actor/reward_kl_penalty_coeff"] * (1 - 0.2 * 16 / 10))
+    for key in ("critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm",
+                "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"):
         assert resumed[1][key] == pytest.approx(reference[1][key], rel=1e-5, abs=1e-7), key
 
 

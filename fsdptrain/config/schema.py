@@ -404,10 +404,21 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
+class KLControlConfig:
+    type: str
+    kl_coef: float
+    target_kl: float
+    horizon: int
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str
     norm_adv_by_std_in_grpo: bool
     gamma: float
+    use_kl_in_reward: bool
+    kl_penalty: str
+    kl_ctrl: KLControlConfig
 
 
 @dataclass
@@ -513,6 +524,16 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
                           f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
+    algorithm = config.algorithm
+    if algorithm.use_kl_in_reward:
+        _one_of("algorithm.kl_penalty", algorithm.kl_penalty.rstrip("+"), KL_ESTIMATORS)
+        _one_of("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ("fixed", "adaptive"))
+        if algorithm.kl_ctrl.type == "adaptive":
+            _positive("algorithm.kl_ctrl.horizon", algorithm.kl_ctrl.horizon)
+            _positive("algorithm.kl_ctrl.target_kl", algorithm.kl_ctrl.target_kl)
+        if actor.use_kl_loss:
+            warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
+                          "reference: it is counted twice", stacklevel=2)
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
         warnings.warn(f"GSPO is defined with loss_agg_mode=seq-mean-token-mean; got {actor.loss_agg_mode}", stacklevel=2)
     return config

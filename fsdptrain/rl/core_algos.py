@@ -140,3 +140,23 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         reverse = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
         return (torch.exp(reverse) - reverse - 1).clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+# ---- the KL coefficient of the reward ---------------------------------------------------------------------------
+class KLController:
+    """The coefficient of the KL penalty in the reward (verl's kl_ctrl): fixed, or adaptive (Ziegler et al.: moved
+    toward `target` KL by at most 20% of the error, scaled by n_steps / horizon). Checkpointed with the run."""
+
+    def __init__(self, kind: str, coef: float, target: float, horizon: int):
+        self.kind, self.value, self.target, self.horizon = kind, coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if self.kind == "adaptive":
+            error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+            self.value *= 1 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = state["value"]

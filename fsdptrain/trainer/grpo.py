@@ -78,18 +78,44 @@ def score(generations: Sequence[Generation], prompts: Sequence[Prompt], reward_f
     return scores
 
 
-def token_advantages(scores: torch.Tensor, generations: Sequence[Generation], n: int, config: GRPOConfig, parallel: Parallel) -> list[torch.Tensor]:
-    """Each response's per-token advantages (outcome rewards): a group estimator's value on every token, or
+def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> list[torch.Tensor]:
+    """Per-response-token rewards: each response's score on its last produced token."""
+    rewards = []
+    for value, generation in zip(scores, generations):
+        mask = torch.tensor(generation.response_mask, dtype=torch.float32)
+        reward = torch.zeros_like(mask)
+        reward[int(mask.nonzero().max())] = value
+        rewards.append(reward)
+    return rewards
+
+
+def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation],
+                kl_ctrl: core_algos.KLController, config: GRPOConfig, parallel: Parallel) -> dict[str, float]:
+    """verl's KL in the reward: subtract the controller's coefficient times the per-token KL of the old policy to the
+    reference, then move the coefficient by the batch's mean KL (each sequence's token mean, over every rank)."""
+    beta, sequence_means = kl_ctrl.value, []
+    for reward, sample, generation in zip(token_rewards, samples, generations):
+        start = len(generation.prompt_ids)
+        kl = core_algos.kl_penalty(sample.token_values["old_log_prob"][start:], sample.token_values["ref_log_prob"][start:],
+                                   config.algorithm.kl_penalty)
+        mask = torch.tensor(generation.response_mask, dtype=torch.float32)
+        reward -= beta * kl * mask
+        sequence_means.append(float((kl * mask).sum() / mask.sum().clamp(min=1)))
+    total, count = all_reduce_sum([sum(sequence_means), float(len(sequence_means))], parallel.device)
+    kl_ctrl.update(total / count, n_steps=int(count))
+    return {"actor/reward_kl_penalty": total / count, "actor/reward_kl_penalty_coeff": beta}
+
+
+def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], n: int, config: GRPOConfig,
+                     parallel: Parallel) -> list[torch.Tensor]:
+    """Each response's per-token advantages: a group estimator's value (from the summed rewards) on every token, or
     REINFORCE++'s discounted returns; the REINFORCE++ variants are whitened over every rank's response tokens."""
     algorithm = config.algorithm
     masks = [torch.tensor(g.response_mask, dtype=torch.float32) for g in generations]
     if algorithm.adv_estimator == "reinforce_plus_plus":
-        advantages = []
-        for value, mask in zip(scores, masks):
-            rewards = torch.zeros_like(mask)
-            rewards[int(mask.nonzero().max())] = value  # the outcome reward sits on the last produced token
-            advantages.append(core_algos.discounted_returns(rewards, mask, algorithm.gamma))
+        advantages = [core_algos.discounted_returns(reward, mask, algorithm.gamma) for reward, mask in zip(token_rewards, masks)]
     else:
+        scores = torch.stack([reward.sum() for reward in token_rewards])
         groups = torch.arange(len(scores)) // n
         per_sequence = core_algos.group_advantages(scores, groups, algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo)
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
@@ -241,11 +267,16 @@ def run_grpo(config: GRPOConfig) -> None:
         raise ConfigError(f"data.train_batch_size ({config.data.train_batch_size}) exceeds the {len(train)} training prompts")
     total_steps = config.trainer.total_training_steps or config.trainer.total_epochs * steps_per_epoch
 
+    algorithm = config.algorithm
+    kl_ctrl = None
+    if algorithm.use_kl_in_reward:
+        kl_ctrl = core_algos.KLController(algorithm.kl_ctrl.type, algorithm.kl_ctrl.kl_coef, algorithm.kl_ctrl.target_kl, algorithm.kl_ctrl.horizon)
     run = open_run(parallel, config.trainer, path, model_config, actor.fsdp_config, actor.optim, hf_config, tokenizer,
-                   packed=model_config.use_remove_padding, total_steps=total_steps, run_config=asdict(config))
+                   packed=model_config.use_remove_padding, total_steps=total_steps, run_config=asdict(config),
+                   states={"kl_ctrl": kl_ctrl} if kl_ctrl is not None else None)
     model, step = run.model, run.step
     reference = None
-    if actor.use_kl_loss:
+    if actor.use_kl_loss or algorithm.use_kl_in_reward:
         ref_fsdp = type(actor.fsdp_config)(**{**vars(actor.fsdp_config), "cpu_offload": config.actor_rollout_ref.ref.fsdp_config.param_offload})
         reference = build_sharded_model(path, model_config, ref_fsdp, hf_config, config.trainer, parallel, model_config.use_remove_padding,
                                         trainable=False)
@@ -259,7 +290,8 @@ def run_grpo(config: GRPOConfig) -> None:
                                               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
     ref_batching = config.micro_batching(config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
                                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
-    one_pass = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size
+    # One mini-batch, one epoch: the old policy is the current one (ratio exactly 1), unless the reward's KL needs it first.
+    one_pass = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size and kl_ctrl is None
     history = []  # this process's steps, for the plots
     while step < total_steps:
         epoch, index = divmod(step, steps_per_epoch)
@@ -276,21 +308,11 @@ def run_grpo(config: GRPOConfig) -> None:
         rollout.sleep()
         timing["gen"] = time.perf_counter() - tick
 
-        tick = time.perf_counter()
-        scored = score(generations, prompts, reward_fn, tokenizer, config, step + 1)
-        scores = torch.tensor([s["score"] for s in scored])
-        timing["reward"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        advantages = token_advantages(scores, generations, rollout_config.n, config, parallel)
-        timing["adv"] = time.perf_counter() - tick
-        samples = []
-        for i, (generation, advantage) in enumerate(zip(generations, advantages)):
-            prompt_length = len(generation.prompt_ids)
-            samples.append(Sample(
-                torch.tensor(generation.prompt_ids + generation.response_ids),
-                torch.tensor([0] * prompt_length + generation.response_mask),
-                {"advantage": aligned(advantage, prompt_length), "sequence": torch.full((prompt_length + len(generation.response_ids),), float(i))},
-            ))
+        samples = [
+            Sample(torch.tensor(g.prompt_ids + g.response_ids), torch.tensor([0] * len(g.prompt_ids) + g.response_mask),
+                   {"sequence": torch.full((len(g.prompt_ids) + len(g.response_ids),), float(i))})
+            for i, g in enumerate(generations)
+        ]
         if not one_pass:
             tick = time.perf_counter()
             for sample, values in zip(samples, compute_log_probs(model, samples, log_prob_batching, config, parallel, tokenizer.pad_token_id)):
@@ -301,6 +323,19 @@ def run_grpo(config: GRPOConfig) -> None:
             for sample, values in zip(samples, compute_log_probs(reference, samples, ref_batching, config, parallel, tokenizer.pad_token_id)):
                 sample.token_values["ref_log_prob"] = values
             timing["ref"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        scored = score(generations, prompts, reward_fn, tokenizer, config, step + 1)
+        scores = torch.tensor([s["score"] for s in scored])
+        token_rewards = outcome_rewards(scores, generations)
+        if kl_ctrl is not None:
+            kl_metrics = penalize_kl(token_rewards, samples, generations, kl_ctrl, config, parallel)
+        timing["reward"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        advantages = token_advantages(token_rewards, generations, rollout_config.n, config, parallel)
+        for sample, generation, advantage in zip(samples, generations, advantages):
+            sample.token_values["advantage"] = aligned(advantage, len(generation.prompt_ids))
+        timing["adv"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
         lr = run.scheduler.get_last_lr()[0]
@@ -318,7 +353,7 @@ def run_grpo(config: GRPOConfig) -> None:
         zero_std, groups = all_reduce_sum([float((group_spread == 0).sum()), float(len(group_spread))], parallel.device)
         response_advantages = [float(a[m > 0].mean()) for a, m in ((a, torch.tensor(g.response_mask)) for a, g in zip(advantages, generations))]
         metrics.update(global_stats("critic/score", scores.tolist(), parallel))
-        metrics["critic/rewards/mean"] = metrics["critic/score/mean"]
+        metrics["critic/rewards/mean"] = global_stats("critic/rewards", [float(r.sum()) for r in token_rewards], parallel)["critic/rewards/mean"]
         metrics.update(global_stats("critic/advantages", response_advantages, parallel))
         metrics.update(global_stats("response_length", lengths, parallel))
         truncated, count = all_reduce_sum([float(sum(g.truncated for g in generations)), float(len(generations))], parallel.device)
@@ -329,6 +364,8 @@ def run_grpo(config: GRPOConfig) -> None:
         metrics["actor/lr"] = lr
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
+        if kl_ctrl is not None:
+            metrics.update(kl_metrics)
         last = step == total_steps
         if val and (last or (config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
             tick = time.perf_counter()
