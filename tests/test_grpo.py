@@ -184,3 +184,23 @@ def test_the_preferred_token_rises(tmp_path, tokenizer, rl_data):
                                                     trainer__total_training_steps=6, data__val_files="null", data__shuffle="true"))
     scores = [m["critic/score/mean"] for m in read_metrics(out)]
     assert sum(scores[-2:]) > 1.15 * sum(scores[:2]), scores
+
+
+def test_rollout_sampling_log_probs_are_the_policys_at_the_temperature(tiny_llama):
+    """The HF engine's sampling log-probs (calculate_log_probs) equal log-softmax(logits / T) of a plain forward
+    pass over prompt + response; without the key none are kept."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdptrain.rl.rollout.hf import HFRollout
+
+    engine = HFRollout(tiny_llama, torch.device("cpu"), torch.float32, pad_id=2)
+    torch.manual_seed(0)
+    prompts = [[5, 17, 42, 99], [7, 8]]
+    generations = engine.generate(prompts, n=2, max_new_tokens=6, batch_size=4, temperature=0.7, calculate_log_probs=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    for generation in generations:
+        ids = torch.tensor([generation.prompt_ids + generation.response_ids])
+        logits = model(ids).logits[0, len(generation.prompt_ids) - 1 : -1] / 0.7
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(generation.response_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(generation.log_probs), expected, rtol=1e-5, atol=1e-5)
+    assert all(g.log_probs is None for g in engine.generate(prompts, n=1, max_new_tokens=3, batch_size=2))

@@ -380,6 +380,7 @@ class RolloutConfig:
     top_p: float
     top_k: int
     do_sample: bool
+    calculate_log_probs: bool
     log_prob_micro_batch_size_per_gpu: int
     val_kwargs: ValKwargsConfig
 

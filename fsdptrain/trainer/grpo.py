@@ -304,7 +304,8 @@ def run_grpo(config: GRPOConfig) -> None:
         rollout.wake_up()
         generations = rollout.generate([p.ids for p in prompts], rollout_config.n, config.data.max_response_length,
                                        rollout_config.log_prob_micro_batch_size_per_gpu, temperature=rollout_config.temperature,
-                                       top_p=rollout_config.top_p, top_k=rollout_config.top_k, do_sample=rollout_config.do_sample)
+                                       top_p=rollout_config.top_p, top_k=rollout_config.top_k, do_sample=rollout_config.do_sample,
+                                       calculate_log_probs=rollout_config.calculate_log_probs)
         rollout.sleep()
         timing["gen"] = time.perf_counter() - tick
 

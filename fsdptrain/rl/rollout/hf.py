@@ -15,7 +15,7 @@ class Generation:
     prompt_ids: list[int]
     response_ids: list[int]  # through the first end-of-turn token, or max_new_tokens of them
     response_mask: list[int]  # 1 on tokens the policy produced (a multi-turn rollout gives tool output 0)
-    log_probs: list[float]  # the sampling log-probs: after temperature, top-k and top-p
+    log_probs: list[float] | None  # with calculate_log_probs, the sampling log-probs: after temperature, top-k and top-p
     truncated: bool  # stopped by max_new_tokens before an end token
 
 
@@ -28,8 +28,10 @@ def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
 def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
     pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, do_sample: bool = True,
+    calculate_log_probs: bool = False,
 ) -> list[Generation]:
-    """`n` responses to each prompt (n in a row), in left-padded batches of `batch_size` sequences."""
+    """`n` responses to each prompt (n in a row), in left-padded batches of `batch_size` sequences. The sampling
+    log-probs need transformers to keep every step's (batch x vocab) scores, so they are computed only when asked."""
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k, 0)) if do_sample else dict(do_sample=False)
     jobs = [ids for ids in prompts for _ in range(n)]
     generations = []
@@ -39,14 +41,17 @@ def generate(
         input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=model.device)
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                                eos_token_id=end_ids, output_scores=True, return_dict_in_generate=True, **sampling)
+                                eos_token_id=end_ids, output_scores=calculate_log_probs, return_dict_in_generate=True, **sampling)
         tokens = output.sequences[:, width:]
-        scores = torch.stack(output.scores, dim=1).float()  # (batch, steps, vocab), as processed for sampling
-        log_probs = F.log_softmax(scores, dim=-1).gather(2, tokens[:, : scores.shape[1], None]).squeeze(2)
+        log_probs = None
+        if calculate_log_probs:
+            scores = torch.stack(output.scores, dim=1).float()  # (batch, steps, vocab), as processed for sampling
+            log_probs = F.log_softmax(scores, dim=-1).gather(2, tokens[:, : scores.shape[1], None]).squeeze(2)
         for row, ids in enumerate(tokens.tolist()):
             end = next((i for i, token in enumerate(ids) if token in end_ids), None)
             kept = len(ids) if end is None else end + 1
-            generations.append(Generation(batch[row], ids[:kept], [1] * kept, log_probs[row, :kept].tolist(), end is None))
+            sampled = None if log_probs is None else log_probs[row, :kept].tolist()
+            generations.append(Generation(batch[row], ids[:kept], [1] * kept, sampled, end is None))
     return generations
 
 
