@@ -1,6 +1,8 @@
-"""Sums and maxima over ranks of host-side numbers (losses, token counts, memory), in float64."""
+"""Sums and maxima over ranks of host-side numbers (losses, token counts, memory), in float64, and lists joined
+over ranks."""
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,3 +33,10 @@ def once_per_sp_group(counts: Sequence[float], parallel: Parallel) -> list[float
     """Counts of samples every SP rank holds whole, kept on one rank of the group so that a world sum counts
     them once (losses are summed over sequence slices and need no such care)."""
     return [c if parallel.sp_rank == 0 else 0 for c in counts]
+
+
+def gather_lists(items: list[Any], parallel: Parallel) -> list[Any]:
+    """Every rank's `items` (picklable), concatenated in rank order, on every rank."""
+    parts = [None] * parallel.world_size
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]

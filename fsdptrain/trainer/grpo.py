@@ -14,7 +14,6 @@ from dataclasses import asdict
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdptrain.config.schema import DTYPES, ConfigError, GRPOConfig, MicroBatching, check_rl_layout
@@ -23,7 +22,7 @@ from fsdptrain.data.dataset import Sample
 from fsdptrain.data.micro_batches import collate, plan_micro_batches
 from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.distributed.mesh import Parallel
-from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks
+from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists, max_over_ranks
 from fsdptrain.evaluate import evaluate, summarize
 from fsdptrain.logging.plots import write_plots
 from fsdptrain.models.loading import load_model_config, load_tokenizer
@@ -229,10 +228,8 @@ def validate(rollout: HFRollout, prompts: Sequence[Prompt], reward_fn: RewardFn,
     mine = list(prompts[parallel.dp_rank :: parallel.dp_size])
     records = evaluate(rollout.model, tokenizer, mine, reward_fn, val.n, val.temperature if val.do_sample else 0.0,
                        config.data.max_response_length, config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu) if mine else []
-    everyone = [None] * parallel.world_size
-    dist.all_gather_object(everyone, records)
     metrics = {}
-    for source, figures in summarize([r for part in everyone for r in part]).items():
+    for source, figures in summarize(gather_lists(records, parallel)).items():
         metrics[f"val-core/{source}/acc/mean@{val.n}"] = figures["acc"]
         metrics[f"val-core/{source}/reward/mean@{val.n}"] = figures["score"]
     return metrics
@@ -391,10 +388,9 @@ def run_grpo(config: GRPOConfig) -> None:
 
 def plot(history: list[dict], lengths: list[int], config: GRPOConfig, run: Run, parallel: Parallel, step: int) -> None:
     """The plots of the steps so far (rank 0 draws them from every rank's response lengths)."""
-    everyone = [None] * parallel.world_size
-    dist.all_gather_object(everyone, lengths)
+    every_length = gather_lists(lengths, parallel)
     if parallel.is_main:
-        paths = write_plots(history, [n for part in everyone for n in part], os.path.join(config.trainer.default_local_dir, "plots"))
+        paths = write_plots(history, every_length, os.path.join(config.trainer.default_local_dir, "plots"))
         run.logger.log_images(paths, step)
 
 
@@ -403,11 +399,9 @@ def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: 
     """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage (rank 0 writes)."""
     rows = [{"prompt": prompts[i // n].messages, "ground_truth": prompts[i // n].ground_truth, "data_source": prompts[i // n].data_source,
              **s, "advantage": a} for i, (s, a) in enumerate(zip(scored, advantages))]
-    everyone = [None] * parallel.world_size
-    dist.all_gather_object(everyone, rows)
+    every_row = gather_lists(rows, parallel)
     if parallel.is_main:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, f"{step}.jsonl"), "w") as f:
-            for part in everyone:
-                for row in part:
-                    f.write(json.dumps(row, default=str) + "\n")
+            for row in every_row:
+                f.write(json.dumps(row, default=str) + "\n")
