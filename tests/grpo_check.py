@@ -1,9 +1,10 @@
 """Run under torchrun by test_grpo.py: one GRPO mini-batch's gradient, for every loss mode and aggregation mode,
 written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared.
 
-    python -m torch.distributed.run --nproc_per_node=N -m tests.grpo_check MODEL_DIR OUT MICRO PACKED
+    python -m torch.distributed.run --nproc_per_node=N -m tests.grpo_check MODEL_DIR OUT MICRO PACKED SP
 
-MICRO is sequences per micro-batch, or `default` for the defaults (packed rows filled to a token budget).
+MICRO is sequences per micro-batch, or `default` for the defaults (packed rows filled to a token budget); SP the
+Ulysses group size.
 """
 
 import itertools
@@ -20,7 +21,7 @@ from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
 from fsdptrain.trainer.grpo import compute_log_probs, mini_batch_backward
 from fsdptrain.trainer.setup import build_sharded_model, start_run
 
-model_dir, out, micro, packed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+model_dir, out, micro, packed, sp = sys.argv[1:6]
 
 
 LAYOUT = [] if micro == "default" else [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.use_dynamic_bsz=false"]
@@ -31,12 +32,12 @@ def config(*overrides):
         return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
             "data.train_files=unused.parquet", f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
             "actor_rollout_ref.model.enable_gradient_checkpointing=false", f"actor_rollout_ref.model.use_remove_padding={packed}",
-            *LAYOUT, "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
+            *LAYOUT, f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}", "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
 
 
 base = config()
-parallel = start_run(base.trainer, sp_size=1)
-hf_config = load_model_config(model_dir, "model", base.actor_rollout_ref.model, 1)
+parallel = start_run(base.trainer, sp_size=int(sp))
+hf_config = load_model_config(model_dir, "model", base.actor_rollout_ref.model, parallel.sp_size)
 model = build_sharded_model(model_dir, base.actor_rollout_ref.model, base.actor_rollout_ref.actor.fsdp_config, hf_config, base.trainer,
                             parallel, packed == "true", trainable=True)
 
@@ -48,12 +49,14 @@ for i in range(8):
     ids = torch.randint(3, 1000, (prompt + response,), generator=g)
     mask = torch.cat([torch.zeros(prompt, dtype=torch.long), (torch.rand(response, generator=g) < 0.9).long()])
     advantage = torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.randn((), generator=g)))])
-    everything.append(Sample(ids, mask, {"advantage": advantage, "sequence": torch.full((prompt + response,), float(i))}))
+    length = prompt + response
+    everything.append(Sample(ids, mask, {"advantage": advantage, "sequence": torch.full((length,), float(i)),
+                                         "sequence_tokens": torch.full((length,), float(mask[1:].sum()))}))
 mine = everything[parallel.dp_rank :: parallel.dp_size]
-current = compute_log_probs(model, mine, base.micro_batching(4, "size"), base, parallel, pad_id=0)
-for sample, log_probs, index in zip(mine, current, range(parallel.dp_rank, 8, parallel.dp_size)):
+compute_log_probs(model, mine, base.micro_batching(4, "size"), base, parallel, pad_id=0, key="old_log_prob")
+for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
     noise = torch.randn(len(sample), generator=torch.Generator().manual_seed(100 + index)) * 0.3  # ratios on both sides of the clip
-    sample.token_values["old_log_prob"] = log_probs + noise * sample.loss_mask
+    sample.token_values["old_log_prob"] += noise * sample.loss_mask
 
 gradients = {}
 for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES):

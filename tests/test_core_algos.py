@@ -61,7 +61,7 @@ def test_reinforce_plus_plus_returns_and_whitening():
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-SEQUENCES = torch.tensor([[0, 0, 0], [1, 1, 1]])
+SEQUENCE_TOKENS = torch.tensor([[2.0, 2.0, 2.0], [1.0, 1.0, 1.0]])  # each token's sequence's count of masked tokens
 
 
 @pytest.mark.parametrize(
@@ -69,14 +69,17 @@ SEQUENCES = torch.tensor([[0, 0, 0], [1, 1, 1]])
     [("token-mean", 7 / 3), ("seq-mean-token-sum", 3.5), ("seq-mean-token-mean", 2.75), ("seq-mean-token-sum-norm", 7 / 6)],
 )
 def test_aggregation_by_hand_and_split_anywhere(mode, expected):
-    agg = lambda loss, mask, sequences: core_algos.agg_loss(  # noqa: E731
-        loss.flatten(), mask.flatten(), sequences.flatten(), mode, global_tokens=3, global_sequences=2, max_response_length=3)
-    assert float(agg(LOSS, MASK, SEQUENCES)) == pytest.approx(expected)
+    agg = lambda loss, mask, tokens: core_algos.agg_loss(  # noqa: E731
+        loss.flatten(), mask.flatten(), tokens.flatten(), mode, global_tokens=3, global_sequences=2, max_response_length=3)
+    assert float(agg(LOSS, MASK, SEQUENCE_TOKENS)) == pytest.approx(expected)
     # Split by sequence (two ranks or micro-batches), each over the global counts: the halves sum to the whole.
-    halves = sum(float(agg(LOSS[i : i + 1], MASK[i : i + 1], SEQUENCES[i : i + 1])) for i in range(2))
+    halves = sum(float(agg(LOSS[i : i + 1], MASK[i : i + 1], SEQUENCE_TOKENS[i : i + 1])) for i in range(2))
     assert halves == pytest.approx(expected)
+    # Split inside the sequences (Ulysses slices of the tokens): the slices sum to the whole too.
+    slices = sum(float(agg(LOSS[:, i : i + 1], MASK[:, i : i + 1], SEQUENCE_TOKENS[:, i : i + 1])) for i in range(3))
+    assert slices == pytest.approx(expected)
     if mode == "seq-mean-token-sum-norm":
-        scaled = core_algos.agg_loss(LOSS.flatten(), MASK.flatten(), SEQUENCES.flatten(), mode, 3, 2, 3, loss_scale_factor=2.0)
+        scaled = core_algos.agg_loss(LOSS.flatten(), MASK.flatten(), SEQUENCE_TOKENS.flatten(), mode, 3, 2, 3, loss_scale_factor=2.0)
         assert float(scaled) == pytest.approx((3 / 2 + 4 / 2) / 2)
 
 
@@ -85,19 +88,19 @@ def test_vanilla_loss_clips_and_dual_clips_by_hand():
     ratios = torch.tensor([1.5, 0.5, 5.0, 1.1])
     old = torch.zeros(4)
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    loss, clipped, lower = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, torch.zeros(4, dtype=torch.long), 0.2, 0.2, 3.0)
+    loss, clipped, lower = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, None, 0.2, 0.2, 3.0)
     # A=1, r=1.5: max(-1.5, -1.2) = -1.2 (clipped); A=-1, r=0.5: max(0.5, 0.8) = 0.8 (clipped);
     # A=-1, r=5: max(5, 1.2) = 5, dual clip min(5, 3) = 3 (lower-clipped); A=1, r=1.1: -1.1.
     torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8, 3.0, -1.1]))
     assert clipped.tolist() == [1.0, 1.0, 0.0, 0.0] and lower.tolist() == [0.0, 0.0, 1.0, 0.0]
-    loss, _, _ = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, torch.zeros(4, dtype=torch.long), 0.2, 0.28, 3.0)
+    loss, _, _ = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, None, 0.2, 0.28, 3.0)
     assert float(loss[0]) == pytest.approx(-1.28)  # clip-higher
 
 
 def test_first_ratio_is_exactly_one_and_its_gradient_is_the_advantage():
     log_probs = torch.tensor([-2.0, -1.0, -3.0], requires_grad=True)
     advantages = torch.tensor([0.5, -1.0, 2.0])
-    loss, clipped, _ = core_algos.vanilla_policy_loss(log_probs, log_probs.detach(), advantages, torch.ones(3), torch.zeros(3, dtype=torch.long),
+    loss, clipped, _ = core_algos.vanilla_policy_loss(log_probs, log_probs.detach(), advantages, torch.ones(3), None,
                                                       0.2, 0.2, 3.0)
     torch.testing.assert_close(loss, -advantages)
     loss.sum().backward()
@@ -110,12 +113,26 @@ def test_gspo_uses_the_sequence_ratio_with_token_gradients():
     old = torch.tensor([0.0, 0.0, -1.0])
     sequences, mask = torch.tensor([0, 0, 1]), torch.ones(3)
     advantages = torch.tensor([1.0, 1.0, -1.0])
-    loss, clipped, _ = core_algos.gspo_policy_loss(log_probs, old, advantages, mask, sequences, 0.5, 0.5, 3.0)
+    sums = core_algos.sequence_sums((log_probs.detach() - old) * mask, sequences, 2)
+    sequence_log_ratio = sums[sequences] / torch.tensor([2.0, 2.0, 1.0])
+    loss, clipped, _ = core_algos.gspo_policy_loss(log_probs, old, advantages, mask, sequence_log_ratio, 0.5, 0.5, 3.0)
     # sequence 0: exp(mean(log 2, 0)) = sqrt(2), inside 1.5: -sqrt(2) on both tokens; sequence 1: ratio 1
     torch.testing.assert_close(loss.detach(), torch.tensor([-math.sqrt(2), -math.sqrt(2), 1.0]))
     loss.sum().backward()
     torch.testing.assert_close(log_probs.grad, torch.tensor([-math.sqrt(2), -math.sqrt(2), 1.0]))  # d/dlogp_t of -A s_i
     assert clipped.sum() == 0
+
+
+def test_rollout_correction_weights_by_hand():
+    old, rollout, mask = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.5, -1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0])
+    capped, raw = core_algos.rollout_is_weights(old, rollout, mask, "token", threshold=1.5)
+    torch.testing.assert_close(raw, torch.tensor([math.exp(0.5), math.exp(-1.0), 1.0]))  # off the mask the log-ratio is 0
+    torch.testing.assert_close(capped, torch.tensor([1.5, math.exp(-1.0), 0.0]))
+    capped, raw = core_algos.rollout_is_weights(old, rollout, mask, "sequence", threshold=1.5)
+    torch.testing.assert_close(capped, torch.tensor([math.exp(-0.5), math.exp(-0.5), 0.0]))  # exp(0.5 - 1) on every token
+    for level in ("token", "sequence"):  # the same policy on both sides: weights exactly 1
+        capped, _ = core_algos.rollout_is_weights(old, old.clone(), mask, level, threshold=2.0)
+        assert capped.tolist() == [1.0, 1.0, 0.0]
 
 
 def test_kl_estimators_by_hand_and_straight_through_gradient():

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from fsdptrain.config.schema import OptimConfig, sft_defaults, to_typed
+from fsdptrain.config.schema import SFTOptimConfig, sft_defaults, to_typed
 from fsdptrain.trainer.optim import build_optimizer, clipped_step, lr_factor
 
 
-def optim_config(**overrides) -> OptimConfig:
+def optim_config(**overrides) -> SFTOptimConfig:
     base = sft_defaults().optim
     base.update(overrides)
-    return to_typed(base, OptimConfig)
+    return to_typed(base, SFTOptimConfig)
 
 
 def factors(config, total=100):

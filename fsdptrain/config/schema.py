@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, FILTER_METRICS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
 
 class ConfigError(ValueError):
@@ -84,12 +84,16 @@ class OptimConfig:
     lr: float
     betas: list[float]
     weight_decay: float
-    clip_grad: float
     lr_warmup_steps_ratio: float
     lr_warmup_steps: int | None
     lr_scheduler: str
     min_lr_ratio: float
     wsd_decay_ratio: float
+
+
+@dataclass
+class SFTOptimConfig(OptimConfig):
+    clip_grad: float
 
 
 @dataclass
@@ -143,7 +147,7 @@ class MicroBatching:
 class SFTConfig:
     data: DataConfig
     model: SFTModelConfig
-    optim: OptimConfig
+    optim: SFTOptimConfig
     trainer: TrainerConfig
     use_remove_padding: bool
     ulysses_sequence_parallel_size: int
@@ -222,7 +226,6 @@ def validate_optim(optim: OptimConfig, prefix: str) -> None:
         raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1), got {optim.betas!r}")
     if optim.weight_decay < 0:
         raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay!r}")
-    _positive(f"{prefix}.clip_grad", optim.clip_grad)
     if not 0 <= optim.lr_warmup_steps_ratio <= 1:
         raise ConfigError(f"{prefix}.lr_warmup_steps_ratio must be in [0, 1], got {optim.lr_warmup_steps_ratio!r}")
     if optim.lr_warmup_steps is not None and optim.lr_warmup_steps < 0:
@@ -297,6 +300,7 @@ def load_sft_config(cfg: DictConfig) -> SFTConfig:
     validate_model(config.model, "model")
     validate_fsdp(config.model.fsdp_config, "model.fsdp_config")
     validate_optim(config.optim, "optim")
+    _positive("optim.clip_grad", config.optim.clip_grad)
     validate_trainer(config.trainer)
     validate_sequence_parallel(
         config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size", "use_remove_padding"
@@ -344,6 +348,7 @@ class PolicyLossConfig:
 @dataclass
 class ActorConfig:
     optim: OptimConfig
+    grad_clip: float
     ppo_mini_batch_size: int
     ppo_micro_batch_size_per_gpu: int
     use_dynamic_bsz: bool | None
@@ -363,6 +368,7 @@ class ActorConfig:
     kl_loss_type: str
     ulysses_sequence_parallel_size: int
     fsdp_config: FSDPConfig
+    mask_truncated_completions: bool
 
 
 @dataclass
@@ -413,6 +419,19 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool
+    metric: str
+    max_num_gen_batches: int
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None
+    rollout_is_threshold: float
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str
     norm_adv_by_std_in_grpo: bool
@@ -420,12 +439,19 @@ class AlgorithmConfig:
     use_kl_in_reward: bool
     kl_penalty: str
     kl_ctrl: KLControlConfig
+    filter_groups: FilterGroupsConfig
+    rollout_correction: RolloutCorrectionConfig
 
 
 @dataclass
 class CustomRewardConfig:
     path: str | None
-    name: str
+    name: str | None
+
+
+@dataclass
+class RewardConfig:
+    custom_reward_function: CustomRewardConfig
 
 
 @dataclass
@@ -453,6 +479,7 @@ class GRPOConfig:
     actor_rollout_ref: ActorRolloutRefConfig
     algorithm: AlgorithmConfig
     custom_reward_function: CustomRewardConfig
+    reward: RewardConfig
     reward_model: RewardModelConfig
     trainer: GRPOTrainerConfig
 
@@ -498,7 +525,7 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     validate_trainer(config.trainer)
     if config.trainer.plot_freq == 0 or config.trainer.plot_freq < -1:
         raise ConfigError(f"trainer.plot_freq must be -1 (at the end only) or > 0, got {config.trainer.plot_freq}")
-    for key in ("ppo_mini_batch_size", "ppo_epochs", "clip_ratio"):
+    for key in ("grad_clip", "ppo_mini_batch_size", "ppo_epochs", "clip_ratio"):
         _positive(f"actor_rollout_ref.actor.{key}", getattr(actor, key))
     validate_micro_batching(config.micro_batching(actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
                             config.sequence_length, "data.max_prompt_length + data.max_response_length")
@@ -507,14 +534,15 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES)
     _one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type.rstrip("+"), KL_ESTIMATORS)
-    if actor.ulysses_sequence_parallel_size != 1:
-        raise ConfigError("actor_rollout_ref.actor.ulysses_sequence_parallel_size: the GRPO trainer supports 1 only so far")
+    validate_sequence_parallel(actor.ulysses_sequence_parallel_size, model.use_remove_padding,
+                               "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.model.use_remove_padding")
     _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf",))
     _positive("actor_rollout_ref.rollout.n", rollout.n)
     _positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
     _positive("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
     _positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
-    _one_of("algorithm.adv_estimator", config.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS)
+    algorithm = config.algorithm
+    _one_of("algorithm.adv_estimator", algorithm.adv_estimator, ADVANTAGE_ESTIMATORS)
     if config.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares responses of one prompt: "
                           f"actor_rollout_ref.rollout.n must be >= 2, got {rollout.n}")
@@ -525,7 +553,6 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
                           f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
-    algorithm = config.algorithm
     if algorithm.use_kl_in_reward:
         _one_of("algorithm.kl_penalty", algorithm.kl_penalty.rstrip("+"), KL_ESTIMATORS)
         _one_of("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ("fixed", "adaptive"))
@@ -535,9 +562,38 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
         if actor.use_kl_loss:
             warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
                           "reference: it is counted twice", stacklevel=2)
+    filter_groups = algorithm.filter_groups
+    if filter_groups.enable:
+        _one_of("algorithm.filter_groups.metric", filter_groups.metric, FILTER_METRICS)
+        _positive("algorithm.filter_groups.max_num_gen_batches", filter_groups.max_num_gen_batches)
+        if filter_groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
+            raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: groups are "
+                              "filtered before the log-probs that the reward's KL penalty needs; use seq_reward")
+    correction = algorithm.rollout_correction
+    _one_of("algorithm.rollout_correction.rollout_is", correction.rollout_is, (None, "token", "sequence"))
+    if correction.rollout_is is not None:
+        _positive("algorithm.rollout_correction.rollout_is_threshold", correction.rollout_is_threshold)
+        if rollout.top_p < 1 or rollout.top_k > 0:
+            warnings.warn(f"algorithm.rollout_correction with actor_rollout_ref.rollout.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
+                          "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
+                          stacklevel=2)
+    config.custom_reward_function = _reward_function(config)
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
         warnings.warn(f"GSPO is defined with loss_agg_mode=seq-mean-token-mean; got {actor.loss_agg_mode}", stacklevel=2)
     return config
+
+
+def _reward_function(config: GRPOConfig) -> CustomRewardConfig:
+    """The custom reward function from custom_reward_function.* or newer verl's reward.custom_reward_function.*."""
+    legacy, newer = config.custom_reward_function, config.reward.custom_reward_function
+    if newer.path is None:
+        if newer.name is not None:
+            raise ConfigError("reward.custom_reward_function.name is set without reward.custom_reward_function.path")
+        return legacy
+    if legacy.path is not None and legacy.path != newer.path:
+        raise ConfigError(f"custom_reward_function.path ({legacy.path}) and reward.custom_reward_function.path ({newer.path}) "
+                          "disagree: set one of them")
+    return CustomRewardConfig(newer.path, newer.name or legacy.name)
 
 
 def check_rl_layout(config: GRPOConfig, dp_size: int) -> None:

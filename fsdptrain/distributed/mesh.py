@@ -30,6 +30,11 @@ class Parallel:
         return self.rank == 0
 
     @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """This rank and the ranks at its place in the other SP groups: each sample of the step once."""
+        return self.mesh.get_group("dp")
+
+    @property
     def ulysses_group(self) -> dist.ProcessGroup | None:
         """The sequence-parallel group, or None without sequence parallelism."""
         return self.mesh.get_group("sp") if self.sp_size > 1 else None

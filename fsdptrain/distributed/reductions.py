@@ -10,22 +10,16 @@ import torch.distributed as dist
 from fsdptrain.distributed.mesh import Parallel
 
 
-def all_reduce_sum(values: Sequence[float], device: torch.device) -> list[float]:
+def all_reduce_sum(values: Sequence[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sums over the ranks of `group` (default: every rank)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 
-def dp_all_reduce_sum(value: float, parallel: Parallel) -> float:
-    """Sum over data-parallel ranks (each SP group counted once)."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=parallel.device)
-    dist.all_reduce(tensor, group=parallel.mesh.get_group("dp"))
-    return float(tensor)
-
-
-def max_over_ranks(value: float, device: torch.device) -> float:
+def max_over_ranks(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return float(tensor)
 
 
@@ -35,8 +29,8 @@ def once_per_sp_group(counts: Sequence[float], parallel: Parallel) -> list[float
     return [c if parallel.sp_rank == 0 else 0 for c in counts]
 
 
-def gather_lists(items: list[Any], parallel: Parallel) -> list[Any]:
-    """Every rank's `items` (picklable), concatenated in rank order, on every rank."""
-    parts = [None] * parallel.world_size
-    dist.all_gather_object(parts, items)
+def gather_lists(items: list[Any], group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `items` (picklable) of `group` (default: every rank), concatenated in rank order, on each of them."""
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, items, group=group)
     return [item for part in parts for item in part]

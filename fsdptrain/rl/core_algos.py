@@ -1,9 +1,10 @@
 """The GRPO family's formulas as pure tensor functions, with verl's names and definitions (verl's core_algos):
 advantage estimators, policy losses, KL estimators and the one aggregation they all go through.
 
-Per-token tensors are flat, (tokens,), as a packed micro-batch holds them: a 0/1 `mask` over the response tokens
-the policy produced and `sequences`, the index of each token's sequence. A (sequences, tokens) matrix is the same
-thing flattened with its row index as `sequences`.
+Per-token tensors are flat, (tokens,), as a packed micro-batch holds them, with a 0/1 `mask` over the response
+tokens the policy produced; a (sequences, tokens) matrix is the same thing flattened. What a formula needs of a
+whole sequence (its token count, GSPO's mean log-ratio) comes in per token, so that the formulas hold on any
+slice of a batch.
 """
 
 from collections.abc import Callable
@@ -15,6 +16,7 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("vanilla", "gspo")
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 
 # ---- advantages -----------------------------------------------------------------------------------------------
@@ -61,16 +63,17 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, total: float, total_
 
 
 # ---- aggregation -----------------------------------------------------------------------------------------------
-def _per_sequence(values: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
-    """Sums of `values` per sequence index (over the sequences present)."""
-    _, inverse = torch.unique(sequences, return_inverse=True)
-    return torch.zeros(int(inverse.max()) + 1 if len(inverse) else 0, dtype=values.dtype, device=values.device).index_add(0, inverse, values)
+def sequence_sums(values: torch.Tensor, sequences: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """(num_sequences,) sums of per-token `values` by each token's sequence index."""
+    return torch.zeros(num_sequences, dtype=values.dtype, device=values.device).index_add(0, sequences, values)
 
 
-def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor, mode: str, global_tokens: float,
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequence_tokens: torch.Tensor, mode: str, global_tokens: float,
              global_sequences: float, max_response_length: int, loss_scale_factor: float | None = None) -> torch.Tensor:
     """This rank's share of a mini-batch's loss from its per-token losses, over the mini-batch's global counts
-    (every DP rank, every micro-batch), so that the gradient is the same whatever the split.
+    (every DP rank, every micro-batch), so that the gradient is the same whatever the split. `sequence_tokens`
+    holds, on each token, the number of response tokens of its whole sequence: with it each mode is a plain sum
+    over tokens, which any split of the sequences or of their tokens (Ulysses slices) adds back up.
 
     token-mean: sum over all tokens / global token count. seq-mean-token-sum: per-sequence token sums, averaged
     over global sequences. seq-mean-token-mean: per-sequence token means, averaged likewise.
@@ -79,19 +82,17 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor, mo
     masked = loss * mask
     if mode == "token-mean":
         return masked.sum() / max(global_tokens, 1.0)
-    kept = mask > 0
-    sums = _per_sequence(masked[kept], sequences[kept])
     if mode == "seq-mean-token-sum":
-        return sums.sum() / max(global_sequences, 1.0)
+        return masked.sum() / max(global_sequences, 1.0)
     if mode == "seq-mean-token-mean":
-        return (sums / _per_sequence(mask[kept], sequences[kept])).sum() / max(global_sequences, 1.0)
+        return (masked / sequence_tokens.clamp(min=1)).sum() / max(global_sequences, 1.0)
     if mode == "seq-mean-token-sum-norm":
-        return (sums / (loss_scale_factor or max_response_length)).sum() / max(global_sequences, 1.0)
+        return masked.sum() / (loss_scale_factor or max_response_length) / max(global_sequences, 1.0)
     raise ValueError(f"unknown loss_agg_mode {mode!r}")
 
 
 # ---- policy losses ------------------------------------------------------------------------------------------------
-def vanilla_policy_loss(log_probs, old_log_probs, advantages, mask, sequences, clip_low: float, clip_high: float, clip_c: float):
+def vanilla_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low: float, clip_high: float, clip_c: float):
     """PPO's clipped surrogate with dual clip: per-token loss max(-A r, -A clip(r, 1-low, 1+high)), and for A < 0
     at most -A c. Returns (per-token loss, clipped mask, lower-clipped mask)."""
     ratio = torch.exp((log_probs - old_log_probs).clamp(-20.0, 20.0))
@@ -104,12 +105,10 @@ def vanilla_policy_loss(log_probs, old_log_probs, advantages, mask, sequences, c
     return loss, (clipped > unclipped).float() * mask, lower.float() * mask
 
 
-def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequences, clip_low: float, clip_high: float, clip_c: float):
-    """GSPO: the sequence-level ratio exp(mean log-ratio over the response) carried to each token with a
-    stop-gradient (s_i,t = sg[s_i] exp(logp_t - sg[logp_t])), two-sided clip, no dual clip."""
-    _, inverse = torch.unique(sequences, return_inverse=True)
-    log_ratio = ((log_probs - old_log_probs) * mask).detach()
-    sequence_log_ratio = (_per_sequence(log_ratio, sequences) / _per_sequence(mask, sequences).clamp(min=1))[inverse]
+def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low: float, clip_high: float, clip_c: float):
+    """GSPO: the sequence-level ratio s_i = exp(`sequence_log_ratio`, the mean log(pi / pi_old) over the response,
+    detached, on each of its tokens) carried to each token as s_i exp(logp_t - sg[logp_t]); two-sided clip, no
+    dual clip."""
     ratio = torch.exp((sequence_log_ratio + log_probs - log_probs.detach()).clamp(max=10.0))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
@@ -117,6 +116,19 @@ def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequences, clip
 
 
 POLICY_LOSS: dict[str, Callable] = {"vanilla": vanilla_policy_loss, "gspo": gspo_policy_loss}
+
+
+# ---- rollout correction -------------------------------------------------------------------------------------------
+def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str,
+                       threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights of one response (tokens,) for the gap between the engine that sampled it and
+    the trainer's old policy: token, exp(old - rollout) per token; sequence, exp(sum over the response of
+    old - rollout) on every token. Returns (the weights capped at `threshold`, 0 off the mask; the raw weights)."""
+    log_ratio = (old_log_probs - rollout_log_probs) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum().expand_as(mask)
+    raw = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    return raw.clamp(max=threshold) * mask, raw
 
 
 # ---- KL ---------------------------------------------------------------------------------------------------------

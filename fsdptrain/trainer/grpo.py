@@ -2,18 +2,21 @@
 policy update over mini-batches, and the new weights to the rollout engine.
 
 Each data-parallel rank generates for whole prompts (train_batch_size / dp of them, `rollout.n` responses each),
-so a prompt's group of responses sits on one rank; batch-wide statistics (REINFORCE++ whitening, the mini-batch's
-token and sequence counts that every loss divides by) are summed over ranks.
+so a prompt's group of responses sits on one rank (the ranks of a Ulysses group share theirs and each trains on a
+slice of every sequence). Batch-wide statistics (REINFORCE++ whitening, the mini-batch's token and sequence counts
+that every loss divides by, the metrics) are summed over the data-parallel group, which holds each sample once.
 """
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdptrain.config.schema import DTYPES, ConfigError, GRPOConfig, MicroBatching, check_rl_layout
@@ -23,6 +26,7 @@ from fsdptrain.data.micro_batches import collate, plan_micro_batches
 from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists, max_over_ranks
+from fsdptrain.distributed.ulysses import gather_sequence
 from fsdptrain.evaluate import evaluate, summarize
 from fsdptrain.logging.plots import write_plots
 from fsdptrain.models.loading import load_model_config, load_tokenizer
@@ -59,22 +63,144 @@ def fit_prompts(prompts: list[Prompt], config: GRPOConfig, source: str) -> list[
     return kept
 
 
-def score(generations: Sequence[Generation], prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer, config: GRPOConfig, step: int) -> list[dict]:
-    """Each response's scores from the reward function, with DAPO's overlong penalty added to `score` where on."""
+def score(generations: Sequence[Generation], prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer, config: GRPOConfig,
+          where: str) -> list[dict]:
+    """Each response's scores from the reward function; `seq_reward`, what it is trained on, adds DAPO's overlong
+    penalty to `score` where that is on."""
     n, overlong = config.actor_rollout_ref.rollout.n, config.reward_model.overlong_buffer
     scores = []
     for i, generation in enumerate(generations):
         prompt = prompts[i // n]
         text = tokenizer.decode(generation.response_ids, skip_special_tokens=True)
-        where = f"step {step}, prompt {i // n} ({prompt.data_source}) of this rank, response {i % n}"
-        scored = {**score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, where), "response": text,
+        sample = f"{where}, prompt {i // n} ({prompt.data_source}) of this rank, response {i % n}"
+        scored = {**score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, sample), "response": text,
                   "response_length": len(generation.response_ids)}
+        scored["seq_reward"] = scored["score"]
         if overlong.enable:
             scored["overlong_penalty"] = overlong_penalty(len(generation.response_ids), config.data.max_response_length, overlong.len,
                                                           overlong.penalty_factor)
-            scored["score"] += scored["overlong_penalty"]
+            scored["seq_reward"] += scored["overlong_penalty"]
         scores.append(scored)
     return scores
+
+
+@dataclass
+class Group:
+    """One prompt with its `rollout.n` responses and their scores."""
+
+    prompt: Prompt
+    generations: list[Generation]
+    scored: list[dict]
+
+
+class PromptCursor:
+    """How many batches of prompts the run has drawn: one a step, more with filter_groups. Checkpointed, so that a
+    resumed run draws the batches, and samples with the seeds, that an uninterrupted one would."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches = state["batches"]
+
+
+def draw_groups(train: Sequence[Prompt], cursor: PromptCursor, rollout, reward_fn: RewardFn, tokenizer, config: GRPOConfig,
+                parallel: Parallel) -> list[Group]:
+    """The next batch of prompts: this data-parallel rank's share, generated and scored. The ranks of a Ulysses
+    group generate a part each, then all hold the whole share."""
+    data, rollout_config = config.data, config.actor_rollout_ref.rollout
+    epoch, index = divmod(cursor.batches, len(train) // data.train_batch_size)
+    batch = epoch_batches(len(train), data.train_batch_size, config.trainer.seed, epoch, data.shuffle)[index]
+    per_rank = data.train_batch_size // parallel.dp_size
+    prompts = [train[i] for i in batch[parallel.dp_rank * per_rank : (parallel.dp_rank + 1) * per_rank][parallel.sp_rank :: parallel.sp_size]]
+    torch.manual_seed(config.trainer.seed * 1_000_003 + cursor.batches * parallel.world_size + parallel.rank)  # resumable sampling
+    cursor.batches += 1
+    n = rollout_config.n
+    rollout.wake_up()
+    generations = rollout.generate([p.ids for p in prompts], n, data.max_response_length, rollout_config.log_prob_micro_batch_size_per_gpu,
+                                   temperature=rollout_config.temperature, top_p=rollout_config.top_p, top_k=rollout_config.top_k,
+                                   do_sample=rollout_config.do_sample, calculate_log_probs=rollout_log_probs_needed(config))
+    rollout.sleep()
+    scored = score(generations, prompts, reward_fn, tokenizer, config, f"prompt batch {cursor.batches}")
+    groups = [Group(prompt, generations[i * n : (i + 1) * n], scored[i * n : (i + 1) * n]) for i, prompt in enumerate(prompts)]
+    return gather_lists(groups, parallel.ulysses_group) if parallel.sp_size > 1 else groups
+
+
+FILTER_KEYS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "seq_final_reward": "seq_reward"}  # no KL in the reward yet
+
+
+def varied_groups(draw, config: GRPOConfig, parallel: Parallel) -> tuple[list[Group], int]:
+    """DAPO's dynamic sampling: draw batches, keeping the groups whose filter metric varies (the others teach
+    nothing: every advantage is 0), until train_batch_size of them are kept over all data-parallel ranks; this
+    rank's share of the first train_batch_size, and the number of batches drawn."""
+    spec, batch_size = config.algorithm.filter_groups, config.data.train_batch_size
+    key = FILTER_KEYS[spec.metric]
+    kept: list[Group] = []
+    rounds = total = 0
+    while total < batch_size:
+        if rounds == spec.max_num_gen_batches:
+            raise RuntimeError(f"algorithm.filter_groups: {int(total)} groups with varying {spec.metric} after max_num_gen_batches="
+                               f"{rounds} batches, fewer than data.train_batch_size={batch_size}; raise max_num_gen_batches, or "
+                               "use prompts that the policy sometimes solves")
+        rounds += 1
+        kept += [g for g in draw() if len(g.scored) == 1 or len({s[key] for s in g.scored}) > 1]
+        (total,) = all_reduce_sum([len(kept)], parallel.device, parallel.dp_group)
+    per_rank = batch_size // parallel.dp_size
+    everyone = gather_lists(kept, parallel.dp_group)[:batch_size]
+    return everyone[parallel.dp_rank * per_rank : (parallel.dp_rank + 1) * per_rank], rounds
+
+
+def rollout_log_probs_needed(config: GRPOConfig) -> bool:
+    return config.actor_rollout_ref.rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None
+
+
+def make_samples(generations: Sequence[Generation], mask_truncated: bool) -> list[Sample]:
+    """Prompt + response as training samples: the loss on the tokens the policy produced (none of a truncated
+    response with mask_truncated_completions); each token carries its sequence's index and response token count,
+    and where the engine gave them, the sampling log-probs."""
+    samples = []
+    for i, generation in enumerate(generations):
+        response_mask = [0] * len(generation.response_ids) if mask_truncated and generation.truncated else generation.response_mask
+        length = len(generation.prompt_ids) + len(generation.response_ids)
+        values = {"sequence": torch.full((length,), float(i)), "sequence_tokens": torch.full((length,), float(sum(response_mask)))}
+        if generation.log_probs is not None:
+            values["rollout_log_prob"] = aligned(generation.log_probs, len(generation.prompt_ids))
+        samples.append(Sample(torch.tensor(generation.prompt_ids + generation.response_ids),
+                              torch.tensor([0] * len(generation.prompt_ids) + response_mask), values))
+    return samples
+
+
+def rollout_agreement(samples: Sequence[Sample], generations: Sequence[Generation], config: GRPOConfig, parallel: Parallel) -> dict[str, float]:
+    """How far the engine's sampling log-probs are from the trainer's old policy on the sampled tokens, and with
+    algorithm.rollout_correction their truncated importance weights exp(old - rollout), put on each sample."""
+    correction = config.algorithm.rollout_correction
+    diff_sum = diff_max = kl_sum = tokens = 0.0
+    weights, capped = [], 0.0
+    for sample, generation in zip(samples, generations):
+        start = len(generation.prompt_ids)
+        mask = torch.tensor(generation.response_mask, dtype=torch.float32)
+        old, rollout = sample.token_values["old_log_prob"][start:], sample.token_values["rollout_log_prob"][start:]
+        difference = (old.exp() - rollout.exp()).abs() * mask
+        diff_sum, diff_max = diff_sum + float(difference.sum()), max(diff_max, float(difference.max()))
+        kl_sum, tokens = kl_sum + float(((rollout - old) * mask).sum()), tokens + float(mask.sum())
+        if correction.rollout_is is not None:
+            weight, raw = core_algos.rollout_is_weights(old, rollout, mask, correction.rollout_is, correction.rollout_is_threshold)
+            sample.token_values["rollout_is_weight"] = aligned(weight, start)
+            kept = raw[mask > 0] if correction.rollout_is == "token" else raw[:1]
+            weights += kept.tolist()
+            capped += float((kept > correction.rollout_is_threshold).sum())
+    diff_sum, kl_sum, tokens = all_reduce_sum([diff_sum, kl_sum, tokens], parallel.device, parallel.dp_group)
+    metrics = {"training/rollout_probs_diff_mean": diff_sum / max(tokens, 1.0),
+               "training/rollout_probs_diff_max": max_over_ranks(diff_max, parallel.device)}
+    if correction.rollout_is is not None:
+        metrics.update({f"rollout_corr/rollout_is_{k.rsplit('/', 1)[1]}": v for k, v in global_stats("weights", weights, parallel).items()})
+        (capped,) = all_reduce_sum([capped], parallel.device, parallel.dp_group)
+        metrics["rollout_corr/rollout_is_capped_fraction"] = capped / all_reduce_sum([len(weights)], parallel.device, parallel.dp_group)[0]
+        metrics["rollout_corr/kl"] = kl_sum / max(tokens, 1.0)
+    return metrics
 
 
 def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> list[torch.Tensor]:
@@ -100,7 +226,7 @@ def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], ge
         mask = torch.tensor(generation.response_mask, dtype=torch.float32)
         reward -= beta * kl * mask
         sequence_means.append(float((kl * mask).sum() / mask.sum().clamp(min=1)))
-    total, count = all_reduce_sum([sum(sequence_means), float(len(sequence_means))], parallel.device)
+    total, count = all_reduce_sum([sum(sequence_means), float(len(sequence_means))], parallel.device, parallel.dp_group)
     kl_ctrl.update(total / count, n_steps=int(count))
     return {"actor/reward_kl_penalty": total / count, "actor/reward_kl_penalty_coeff": beta}
 
@@ -120,7 +246,8 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
     if algorithm.adv_estimator.startswith("reinforce_plus_plus"):
         flat, mask = torch.cat(advantages), torch.cat(masks)
-        total, squares, count = all_reduce_sum([float((flat * mask).sum()), float((flat.square() * mask).sum()), float(mask.sum())], parallel.device)
+        total, squares, count = all_reduce_sum([float((flat * mask).sum()), float((flat.square() * mask).sum()), float(mask.sum())],
+                                               parallel.device, parallel.dp_group)
         advantages = [core_algos.masked_whiten(a, m, total, squares, count) for a, m in zip(advantages, masks)]
     return advantages
 
@@ -133,15 +260,17 @@ def aligned(values: list[float] | torch.Tensor, prompt_length: int) -> torch.Ten
 
 @torch.no_grad()
 def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: MicroBatching, config: GRPOConfig, parallel: Parallel,
-                      pad_id: int) -> list[torch.Tensor]:
-    """Each sample's log-probs of its own tokens (aligned with input_ids; 0 where not trained), at the rollout
-    temperature, through the engine's chunked path."""
+                      pad_id: int, key: str) -> None:
+    """Each sample's log-probs of its own tokens, at the rollout temperature, through the engine's chunked path,
+    stored as its token values `key` (aligned with input_ids; 0 where not trained); under Ulysses the slices are
+    joined into whole rows."""
     model_config, packed = config.actor_rollout_ref.model, config.actor_rollout_ref.model.use_remove_padding
-    results = []
     for micro_batch in plan_micro_batches(list(samples), batching, parallel):
         batch = collate(micro_batch or samples[:1], packed, pad_id, parallel)
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], config.actor_rollout_ref.rollout.temperature,
-                                       model_config.chunked_loss_tokens)
+                                       model_config.chunked_loss_tokens, sp_group=parallel.ulysses_group)
+        if parallel.sp_size > 1:
+            log_probs = gather_sequence(log_probs[None], parallel.ulysses_group)[0]
         if micro_batch is None:
             continue
         width = batch.inputs["input_ids"].shape[1]
@@ -149,9 +278,19 @@ def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: Mic
         for row, sample in enumerate(micro_batch):
             offset = start if packed else row * width
             values = log_probs[offset : offset + len(sample)].cpu()
-            results.append(torch.cat([torch.zeros(1), values[:-1]]))  # position t predicts token t + 1
+            sample.token_values[key] = torch.cat([torch.zeros(1), values[:-1]])  # position t predicts token t + 1
             start += len(sample)
-    return results
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor], num_sequences: int,
+                  parallel: Parallel) -> torch.Tensor:
+    """On each token, the mean of `values` over its sequence's response tokens, summed over the Ulysses slices
+    that hold parts of the sequence."""
+    sequences = targets["sequence"].long()
+    sums = core_algos.sequence_sums(values * mask, sequences, num_sequences)
+    if parallel.sp_size > 1:
+        dist.all_reduce(sums, group=parallel.ulysses_group)
+    return sums[sequences] / targets["sequence_tokens"].clamp(min=1)
 
 
 def mini_batch_backward(model: nn.Module, mini: list[Sample], config: GRPOConfig, parallel: Parallel, pad_id: int,
@@ -165,8 +304,9 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], config: GRPOConfig
     batching = config.micro_batching(actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-    local_tokens = sum(float(s.loss_mask[1:].sum()) for s in mini)
-    global_tokens, global_sequences = all_reduce_sum([local_tokens, float(len(mini))], parallel.device)
+    local = [sum(float(s.loss_mask[1:].sum()) for s in mini), sum(float(s.loss_mask[1:].any()) for s in mini)]
+    global_tokens, global_sequences = all_reduce_sum(local, parallel.device, parallel.dp_group)
+    num_sequences = int(max(s.token_values["sequence"][0] for s in mini)) + 1
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
     for micro_batch in plan_micro_batches(mini, batching, parallel):
         # A rank with fewer micro-batches runs a forward that counts for nothing (FSDP needs every rank).
@@ -174,12 +314,17 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], config: GRPOConfig
         targets = {k: v.flatten() for k, v in batch.targets.items()}
         mask = (targets["labels"] != IGNORE_INDEX).float() * (0.0 if micro_batch is None else 1.0)
         log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], rollout.temperature,
-                                             config.actor_rollout_ref.model.chunked_loss_tokens, with_entropy=True)
+                                             config.actor_rollout_ref.model.chunked_loss_tokens, with_entropy=True,
+                                             sp_group=parallel.ulysses_group)
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
-        sequences = targets["sequence"].long()
+        sequence_log_ratio = None
+        if actor.policy_loss.loss_mode == "gspo":
+            sequence_log_ratio = sequence_mean(log_probs.detach() - old, mask, targets, num_sequences, parallel)
         pg, clipped, lower = core_algos.POLICY_LOSS[actor.policy_loss.loss_mode](
-            log_probs, old, targets["advantage"], mask, sequences, low, high, actor.clip_ratio_c)
-        aggregate = partial(core_algos.agg_loss, mask=mask, sequences=sequences, mode=actor.loss_agg_mode,
+            log_probs, old, targets["advantage"], mask, sequence_log_ratio, low, high, actor.clip_ratio_c)
+        if "rollout_is_weight" in targets:
+            pg = pg * targets["rollout_is_weight"]
+        aggregate = partial(core_algos.agg_loss, mask=mask, sequence_tokens=targets["sequence_tokens"], mode=actor.loss_agg_mode,
                             global_tokens=global_tokens, global_sequences=global_sequences,
                             max_response_length=config.data.max_response_length, loss_scale_factor=actor.loss_scale_factor)
         loss = aggregate(pg) - actor.entropy_coeff * aggregate(entropy)
@@ -211,10 +356,10 @@ def update(model: nn.Module, optimizer, samples: list[Sample], config: GRPOConfi
             mini = [samples[i] for i in order[first : first + per_mini]]
             for key, value in mini_batch_backward(model, mini, config, parallel, pad_id, first_pass_is_old).items():
                 totals[key] = totals.get(key, 0.0) + value
-            norm, applied = clipped_step(model, optimizer, actor.optim.clip_grad)
+            norm, applied = clipped_step(model, optimizer, actor.grad_clip)
             norms.append(norm)
             applied_all &= applied
-    totals = dict(zip(totals, all_reduce_sum(list(totals.values()), parallel.device)))
+    totals = dict(zip(totals, all_reduce_sum(list(totals.values()), parallel.device)))  # per-token sums over sequence slices
     tokens = max(totals.pop("tokens"), 1.0)
     metrics = {f"actor/{key}": value / tokens for key, value in totals.items()}
     metrics["actor/grad_norm"] = sum(norms) / len(norms)
@@ -223,13 +368,13 @@ def update(model: nn.Module, optimizer, samples: list[Sample], config: GRPOConfi
 
 
 def validate(rollout: HFRollout, prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer, config: GRPOConfig, parallel: Parallel) -> dict:
-    """Greedy (val_kwargs) accuracy and mean reward per data_source over every rank's share of the validation set."""
+    """Greedy (val_kwargs) accuracy and mean reward per data_source, each rank answering a share of the prompts."""
     val = config.actor_rollout_ref.rollout.val_kwargs
-    mine = list(prompts[parallel.dp_rank :: parallel.dp_size])
+    mine = list(prompts[parallel.rank :: parallel.world_size])
     records = evaluate(rollout.model, tokenizer, mine, reward_fn, val.n, val.temperature if val.do_sample else 0.0,
                        config.data.max_response_length, config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu) if mine else []
     metrics = {}
-    for source, figures in summarize(gather_lists(records, parallel)).items():
+    for source, figures in summarize(gather_lists(records)).items():
         metrics[f"val-core/{source}/acc/mean@{val.n}"] = figures["acc"]
         metrics[f"val-core/{source}/reward/mean@{val.n}"] = figures["score"]
     return metrics
@@ -240,17 +385,19 @@ def sync_weights(model: nn.Module, rollout: HFRollout) -> None:
 
 
 def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict[str, float]:
-    total, count = all_reduce_sum([float(sum(values)), float(len(values))], parallel.device)
-    return {f"{name}/mean": total / max(count, 1.0), f"{name}/max": max_over_ranks(max(values), parallel.device),
-            f"{name}/min": -max_over_ranks(-min(values), parallel.device)}
+    """Mean, max and min of per-sample values over the step (each sample once: the data-parallel group)."""
+    total, count = all_reduce_sum([float(sum(values)), float(len(values))], parallel.device, parallel.dp_group)
+    return {f"{name}/mean": total / max(count, 1.0), f"{name}/max": max_over_ranks(max(values, default=-math.inf), parallel.device),
+            f"{name}/min": -max_over_ranks(-min(values, default=math.inf), parallel.device)}
 
 
 def run_grpo(config: GRPOConfig) -> None:
-    parallel = start_run(config.trainer, sp_size=1)
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    parallel = start_run(config.trainer, sp_size=actor.ulysses_sequence_parallel_size)
     check_rl_layout(config, parallel.dp_size)
-    model_config, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
-    rollout_config, path, path_key = config.actor_rollout_ref.rollout, model_config.path, "actor_rollout_ref.model.path"
-    hf_config = load_model_config(path, path_key, model_config, 1)
+    model_config, rollout_config = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout
+    path, path_key = model_config.path, "actor_rollout_ref.model.path"
+    hf_config = load_model_config(path, path_key, model_config, parallel.sp_size)
     tokenizer = load_tokenizer(path, path_key, model_config)
     if config.sequence_length > getattr(hf_config, "max_position_embeddings", config.sequence_length):
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {config.sequence_length} exceeds the model's "
@@ -264,70 +411,64 @@ def run_grpo(config: GRPOConfig) -> None:
         raise ConfigError(f"data.train_batch_size ({config.data.train_batch_size}) exceeds the {len(train)} training prompts")
     total_steps = config.trainer.total_training_steps or config.trainer.total_epochs * steps_per_epoch
 
-    algorithm = config.algorithm
     kl_ctrl = None
     if algorithm.use_kl_in_reward:
         kl_ctrl = core_algos.KLController(algorithm.kl_ctrl.type, algorithm.kl_ctrl.kl_coef, algorithm.kl_ctrl.target_kl, algorithm.kl_ctrl.horizon)
+    cursor = PromptCursor()
     run = open_run(parallel, config.trainer, path, model_config, actor.fsdp_config, actor.optim, hf_config, tokenizer,
                    packed=model_config.use_remove_padding, total_steps=total_steps, run_config=asdict(config),
-                   states={"kl_ctrl": kl_ctrl} if kl_ctrl is not None else None)
-    model, step = run.model, run.step
+                   states={"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})})
+    model, step, pad_id = run.model, run.step, tokenizer.pad_token_id
     reference = None
     if actor.use_kl_loss or algorithm.use_kl_in_reward:
         ref_fsdp = type(actor.fsdp_config)(**{**vars(actor.fsdp_config), "cpu_offload": config.actor_rollout_ref.ref.fsdp_config.param_offload})
         reference = build_sharded_model(path, model_config, ref_fsdp, hf_config, config.trainer, parallel, model_config.use_remove_padding,
                                         trainable=False)
     param_dtype = actor.fsdp_config.mixed_precision.param_dtype or ("bf16" if parallel.device.type == "cuda" else "fp32")
-    rollout = HFRollout(path, parallel.device, DTYPES[param_dtype], tokenizer.pad_token_id, model_config.trust_remote_code)
+    rollout = HFRollout(path, parallel.device, DTYPES[param_dtype], pad_id, model_config.trust_remote_code)
     sync_weights(model, rollout)  # the resumed weights, before the first rollout
     if val and config.trainer.val_before_train and step == 0:
         run.logger.log(validate(rollout, val, reward_fn, tokenizer, config, parallel), 0)
-    per_rank = config.data.train_batch_size // parallel.dp_size
     log_prob_batching = config.micro_batching(rollout_config.log_prob_micro_batch_size_per_gpu,
                                               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
     ref_batching = config.micro_batching(config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
                                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
-    # One mini-batch, one epoch: the old policy is the current one (ratio exactly 1), unless the reward's KL needs it first.
-    one_pass = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size and kl_ctrl is None
+    # One mini-batch, one epoch: the old policy is the current one (ratio exactly 1), unless the reward's KL or the
+    # engine's log-probs are to be compared with it first.
+    one_pass = (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size and kl_ctrl is None
+                and not rollout_log_probs_needed(config))
+    draw = partial(draw_groups, train, cursor, rollout, reward_fn, tokenizer, config, parallel)
     history = []  # this process's steps, for the plots
     while step < total_steps:
-        epoch, index = divmod(step, steps_per_epoch)
-        batch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle)[index]
-        prompts = [train[i] for i in batch[parallel.dp_rank * per_rank : (parallel.dp_rank + 1) * per_rank]]
-        timing, start = {}, time.perf_counter()
-
+        timing, metrics, start = {}, {}, time.perf_counter()
         tick = time.perf_counter()
-        torch.manual_seed(config.trainer.seed * 1_000_003 + step * parallel.world_size + parallel.rank)  # resumable sampling
-        rollout.wake_up()
-        generations = rollout.generate([p.ids for p in prompts], rollout_config.n, config.data.max_response_length,
-                                       rollout_config.log_prob_micro_batch_size_per_gpu, temperature=rollout_config.temperature,
-                                       top_p=rollout_config.top_p, top_k=rollout_config.top_k, do_sample=rollout_config.do_sample,
-                                       calculate_log_probs=rollout_config.calculate_log_probs)
-        rollout.sleep()
+        if algorithm.filter_groups.enable:
+            groups, rounds = varied_groups(draw, config, parallel)
+            metrics["train/num_gen_batches"] = rounds
+        else:
+            groups = draw()
+        prompts = [g.prompt for g in groups]
+        generations = [generation for g in groups for generation in g.generations]
+        scored = [s for g in groups for s in g.scored]
         timing["gen"] = time.perf_counter() - tick
 
-        samples = [
-            Sample(torch.tensor(g.prompt_ids + g.response_ids), torch.tensor([0] * len(g.prompt_ids) + g.response_mask),
-                   {"sequence": torch.full((len(g.prompt_ids) + len(g.response_ids),), float(i))})
-            for i, g in enumerate(generations)
-        ]
+        samples = make_samples(generations, actor.mask_truncated_completions)
         if not one_pass:
             tick = time.perf_counter()
-            for sample, values in zip(samples, compute_log_probs(model, samples, log_prob_batching, config, parallel, tokenizer.pad_token_id)):
-                sample.token_values["old_log_prob"] = values
+            compute_log_probs(model, samples, log_prob_batching, config, parallel, pad_id, "old_log_prob")
             timing["old_log_prob"] = time.perf_counter() - tick
+        if rollout_log_probs_needed(config):
+            metrics.update(rollout_agreement(samples, generations, config, parallel))
         if reference is not None:
             tick = time.perf_counter()
-            for sample, values in zip(samples, compute_log_probs(reference, samples, ref_batching, config, parallel, tokenizer.pad_token_id)):
-                sample.token_values["ref_log_prob"] = values
+            compute_log_probs(reference, samples, ref_batching, config, parallel, pad_id, "ref_log_prob")
             timing["ref"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        scored = score(generations, prompts, reward_fn, tokenizer, config, step + 1)
-        scores = torch.tensor([s["score"] for s in scored])
+        scores = torch.tensor([s["seq_reward"] for s in scored])
         token_rewards = outcome_rewards(scores, generations)
         if kl_ctrl is not None:
-            kl_metrics = penalize_kl(token_rewards, samples, generations, kl_ctrl, config, parallel)
+            metrics.update(penalize_kl(token_rewards, samples, generations, kl_ctrl, config, parallel))
         timing["reward"] = time.perf_counter() - tick
         tick = time.perf_counter()
         advantages = token_advantages(token_rewards, generations, rollout_config.n, config, parallel)
@@ -337,7 +478,7 @@ def run_grpo(config: GRPOConfig) -> None:
 
         tick = time.perf_counter()
         lr = run.scheduler.get_last_lr()[0]
-        metrics = update(model, run.optimizer, samples, config, parallel, tokenizer.pad_token_id, first_pass_is_old=one_pass)
+        metrics.update(update(model, run.optimizer, samples, config, parallel, pad_id, first_pass_is_old=one_pass))
         run.scheduler.step()
         timing["update_actor"] = time.perf_counter() - tick
         tick = time.perf_counter()
@@ -345,25 +486,11 @@ def run_grpo(config: GRPOConfig) -> None:
         timing["update_weights"] = time.perf_counter() - tick
         step += 1
 
-        lengths = [len(g.response_ids) for g in generations]
-        tokens = all_reduce_sum([float(sum(lengths) + sum(len(g.prompt_ids) for g in generations))], parallel.device)[0]
-        group_spread = scores.view(-1, rollout_config.n).std(dim=1) if rollout_config.n > 1 else torch.zeros(len(prompts))
-        zero_std, groups = all_reduce_sum([float((group_spread == 0).sum()), float(len(group_spread))], parallel.device)
         response_advantages = [float(a[m > 0].mean()) for a, m in ((a, torch.tensor(g.response_mask)) for a, g in zip(advantages, generations))]
-        metrics.update(global_stats("critic/score", scores.tolist(), parallel))
-        metrics["critic/rewards/mean"] = global_stats("critic/rewards", [float(r.sum()) for r in token_rewards], parallel)["critic/rewards/mean"]
-        metrics.update(global_stats("critic/advantages", response_advantages, parallel))
-        metrics.update(global_stats("response_length", lengths, parallel))
-        truncated, count = all_reduce_sum([float(sum(g.truncated for g in generations)), float(len(generations))], parallel.device)
-        metrics["response_length/clip_ratio"] = truncated / count
-        prompt_stats = global_stats("prompt_length", [len(p.ids) for p in prompts], parallel)
-        metrics.update({k: v for k, v in prompt_stats.items() if not k.endswith("/min")})
-        metrics["frac_reward_zero_std"] = zero_std / max(groups, 1.0)
+        metrics.update(step_metrics(prompts, generations, scores, token_rewards, response_advantages, config, parallel))
         metrics["actor/lr"] = lr
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
-        if kl_ctrl is not None:
-            metrics.update(kl_metrics)
         last = step == total_steps
         if val and (last or (config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
             tick = time.perf_counter()
@@ -371,14 +498,14 @@ def run_grpo(config: GRPOConfig) -> None:
             timing["testing"] = time.perf_counter() - tick
         timing["step"] = time.perf_counter() - start
         metrics.update({f"timing_s/{k}": max_over_ranks(v, parallel.device) for k, v in timing.items()})
-        metrics["perf/throughput"] = tokens / parallel.world_size / timing["step"]
+        metrics["perf/throughput"] = metrics.pop("perf/tokens") / parallel.world_size / timing["step"]
         metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device)
         if config.trainer.rollout_data_dir:
             dump_rollouts(config.trainer.rollout_data_dir, step, prompts, scored, response_advantages, rollout_config.n, parallel)
         run.logger.log(metrics, step)
         history.append({"step": step, **metrics})
         if last or (config.trainer.plot_freq > 0 and step % config.trainer.plot_freq == 0):
-            plot(history, lengths, config, run, parallel, step)
+            plot(history, [len(g.response_ids) for g in generations], config, run, parallel, step)
         run.bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", length=f"{metrics['response_length/mean']:.0f}")
         run.bar.update(1)
         if last or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0):
@@ -386,9 +513,29 @@ def run_grpo(config: GRPOConfig) -> None:
     run.finish()
 
 
+def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], scores: torch.Tensor, token_rewards: list[torch.Tensor],
+                 response_advantages: list[float], config: GRPOConfig, parallel: Parallel) -> dict[str, float]:
+    """verl's per-step data metrics over every sample of the step, and its token count for the throughput."""
+    n = config.actor_rollout_ref.rollout.n
+    lengths = [len(g.response_ids) for g in generations]
+    metrics = {**global_stats("critic/score", scores.tolist(), parallel),
+               "critic/rewards/mean": global_stats("critic/rewards", [float(r.sum()) for r in token_rewards], parallel)["critic/rewards/mean"],
+               **global_stats("critic/advantages", response_advantages, parallel), **global_stats("response_length", lengths, parallel)}
+    prompt_stats = global_stats("prompt_length", [len(p.ids) for p in prompts], parallel)
+    metrics.update({k: v for k, v in prompt_stats.items() if not k.endswith("/min")})
+    group_spread = scores.view(-1, n).std(dim=1) if n > 1 else torch.zeros(len(prompts))
+    tokens, truncated, responses, zero_std, groups = all_reduce_sum(
+        [float(sum(lengths) + sum(len(g.prompt_ids) for g in generations)), float(sum(g.truncated for g in generations)),
+         float(len(lengths)), float((group_spread == 0).sum()), float(len(group_spread))], parallel.device, parallel.dp_group)
+    metrics["response_length/clip_ratio"] = truncated / max(responses, 1.0)
+    metrics["frac_reward_zero_std"] = zero_std / max(groups, 1.0)
+    metrics["perf/tokens"] = tokens
+    return metrics
+
+
 def plot(history: list[dict], lengths: list[int], config: GRPOConfig, run: Run, parallel: Parallel, step: int) -> None:
-    """The plots of the steps so far (rank 0 draws them from every rank's response lengths)."""
-    every_length = gather_lists(lengths, parallel)
+    """The plots of the steps so far (rank 0 draws them from every sample's response length)."""
+    every_length = gather_lists(lengths, parallel.dp_group)
     if parallel.is_main:
         paths = write_plots(history, every_length, os.path.join(config.trainer.default_local_dir, "plots"))
         run.logger.log_images(paths, step)
@@ -399,7 +546,7 @@ def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: 
     """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage (rank 0 writes)."""
     rows = [{"prompt": prompts[i // n].messages, "ground_truth": prompts[i // n].ground_truth, "data_source": prompts[i // n].data_source,
              **s, "advantage": a} for i, (s, a) in enumerate(zip(scored, advantages))]
-    every_row = gather_lists(rows, parallel)
+    every_row = gather_lists(rows, parallel.dp_group)
     if parallel.is_main:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, f"{step}.jsonl"), "w") as f:

@@ -12,7 +12,7 @@ from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, load_sft_samples
 from fsdptrain.data.micro_batches import collate, loss_tokens, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel
-from fsdptrain.distributed.reductions import all_reduce_sum, dp_all_reduce_sum, max_over_ranks, once_per_sp_group
+from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks, once_per_sp_group
 from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
@@ -34,7 +34,7 @@ def train_step(
     world size. balance_dp_token=true: every loss token of the step weighs 1 / (its global count).
     false: verl's mean over micro-batches and DP ranks of each micro-batch's token mean.
     """
-    global_tokens = dp_all_reduce_sum(sum(loss_tokens(mb) for mb in micro_batches), parallel)
+    (global_tokens,) = all_reduce_sum([sum(loss_tokens(mb) for mb in micro_batches)], parallel.device, parallel.dp_group)
     # The nll sum stays on the device until the end: reading it after each backward would make the host wait for
     # the GPU before collating the next micro-batch, leaving the GPU idle meanwhile.
     nll_total, tokens_total, seen = torch.zeros((), device=parallel.device), 0, 0
