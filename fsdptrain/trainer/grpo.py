@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ from fsdptrain.rl.rollout.hf import Generation, HFRollout
 from fsdptrain.trainer.optim import clipped_step
 from fsdptrain.trainer.runtime import log, peak_memory_gb
 from fsdptrain.trainer.setup import Run, build_sharded_model, open_run, start_run
+
+RolloutEngine = Any  # HFRollout or rl.rollout.vllm.VLLMRollout: generate, update_weights, sleep, wake_up, shutdown, dtype
 
 
 def fit_prompts(prompts: list[Prompt], config: GRPOConfig, source: str) -> list[Prompt]:
@@ -107,7 +110,7 @@ class PromptCursor:
         self.batches = state["batches"]
 
 
-def draw_groups(train: Sequence[Prompt], cursor: PromptCursor, rollout, reward_fn: RewardFn, tokenizer, config: GRPOConfig,
+def draw_groups(train: Sequence[Prompt], cursor: PromptCursor, rollout: RolloutEngine, reward_fn: RewardFn, tokenizer, config: GRPOConfig,
                 parallel: Parallel) -> list[Group]:
     """The next batch of prompts: this data-parallel rank's share, generated and scored. The ranks of a Ulysses
     group generate a part each, then all hold the whole share."""
@@ -154,7 +157,9 @@ def varied_groups(draw, config: GRPOConfig, parallel: Parallel) -> tuple[list[Gr
 
 
 def rollout_log_probs_needed(config: GRPOConfig) -> bool:
-    return config.actor_rollout_ref.rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None
+    """Whether the engine's sampling log-probs are kept: asked for, needed by the correction, or free (vLLM)."""
+    rollout = config.actor_rollout_ref.rollout
+    return rollout.calculate_log_probs or rollout.name == "vllm" or config.algorithm.rollout_correction.rollout_is is not None
 
 
 def make_samples(generations: Sequence[Generation], mask_truncated: bool) -> list[Sample]:
@@ -367,11 +372,11 @@ def update(model: nn.Module, optimizer, samples: list[Sample], config: GRPOConfi
     return metrics
 
 
-def validate(rollout: HFRollout, prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer, config: GRPOConfig, parallel: Parallel) -> dict:
+def validate(rollout: RolloutEngine, prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer, config: GRPOConfig, parallel: Parallel) -> dict:
     """Greedy (val_kwargs) accuracy and mean reward per data_source, each rank answering a share of the prompts."""
     val = config.actor_rollout_ref.rollout.val_kwargs
     mine = list(prompts[parallel.rank :: parallel.world_size])
-    records = evaluate(rollout.model, tokenizer, mine, reward_fn, val.n, val.temperature if val.do_sample else 0.0,
+    records = evaluate(rollout, tokenizer, mine, reward_fn, val.n, val.temperature if val.do_sample else 0.0,
                        config.data.max_response_length, config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu) if mine else []
     metrics = {}
     for source, figures in summarize(gather_lists(records)).items():
@@ -380,8 +385,23 @@ def validate(rollout: HFRollout, prompts: Sequence[Prompt], reward_fn: RewardFn,
     return metrics
 
 
-def sync_weights(model: nn.Module, rollout: HFRollout) -> None:
-    rollout.update_weights(full_parameters(model, rollout.model.dtype))
+def sync_weights(model: nn.Module, rollout: RolloutEngine) -> None:
+    rollout.update_weights(full_parameters(model, rollout.dtype))
+
+
+def build_rollout(config: GRPOConfig, parallel: Parallel, pad_id: int) -> RolloutEngine:
+    """The rollout engine that `rollout.name` names, in the actor's compute dtype; its weights come from the
+    trainer's first sync."""
+    model, rollout, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    dtype = DTYPES[actor.fsdp_config.mixed_precision.param_dtype or ("bf16" if parallel.device.type == "cuda" else "fp32")]
+    if rollout.name == "hf":
+        return HFRollout(model.path, parallel.device, dtype, pad_id, model.trust_remote_code)
+    from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
+
+    settings = EngineSettings(rollout.gpu_memory_utilization, rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
+                              rollout.enforce_eager, rollout.free_cache_engine, rollout.load_format)
+    return VLLMRollout(model.path, dtype, config.sequence_length, config.trainer.seed + parallel.rank, settings, distributed=True,
+                       trust_remote_code=model.trust_remote_code)
 
 
 def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict[str, float]:
@@ -424,8 +444,7 @@ def run_grpo(config: GRPOConfig) -> None:
         ref_fsdp = type(actor.fsdp_config)(**{**vars(actor.fsdp_config), "cpu_offload": config.actor_rollout_ref.ref.fsdp_config.param_offload})
         reference = build_sharded_model(path, model_config, ref_fsdp, hf_config, config.trainer, parallel, model_config.use_remove_padding,
                                         trainable=False)
-    param_dtype = actor.fsdp_config.mixed_precision.param_dtype or ("bf16" if parallel.device.type == "cuda" else "fp32")
-    rollout = HFRollout(path, parallel.device, DTYPES[param_dtype], pad_id, model_config.trust_remote_code)
+    rollout = build_rollout(config, parallel, pad_id)
     sync_weights(model, rollout)  # the resumed weights, before the first rollout
     if val and config.trainer.val_before_train and step == 0:
         run.logger.log(validate(rollout, val, reward_fn, tokenizer, config, parallel), 0)
@@ -510,7 +529,7 @@ def run_grpo(config: GRPOConfig) -> None:
         run.bar.update(1)
         if last or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0):
             run.checkpoints.save(step)
-    run.finish()
+    run.finish(shutdown=rollout.shutdown)
 
 
 def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], scores: torch.Tensor, token_rewards: list[torch.Tensor],

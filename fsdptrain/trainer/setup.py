@@ -2,6 +2,7 @@
 frozen models, the checkpoint manager, the logger and the progress bar. Each trainer calls these with the
 sections of its own config."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,12 +59,17 @@ class Run:
     bar: tqdm
     step: int  # the last completed step: 0, or the resumed checkpoint's
 
-    def finish(self) -> None:
+    def finish(self, shutdown: Callable[[], None] | None = None) -> None:
+        """Close the bar and loggers; `shutdown` (a rollout engine's) runs after the last collective, and may
+        tear the process group down itself."""
         self.bar.close()
         self.logger.close()
         dist.barrier()
+        if shutdown is not None:
+            shutdown()
         # Left to interpreter exit, gloo's threads can be torn down while still joinable: an abort after a finished run.
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def open_run(

