@@ -1,44 +1,43 @@
-"""Print a finished run's losses and what the model answers before and after fine-tuning.
+"""The quickstart's report: the SFT and GRPO runs in a few lines each, then held-out accuracy of the base, SFT
+and GRPO models side by side, and where everything is.
 
-    python scripts/show_result.py BASE_MODEL_DIR RUN_DIR [QUESTION ...]
+    python scripts/show_result.py WORK_DIR
 """
 
-import glob
 import json
 import os
-import re
 import sys
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-QUESTIONS = ["What is 12 plus 30?", "What is 451 plus 230?"]
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
-def answer(model_dir: str, question: str) -> str:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    output = model.generate(**inputs, max_new_tokens=24, do_sample=False)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+def every(rows: list[dict], count: int) -> list[dict]:
+    """About `count` rows spread over the run, the last included."""
+    stride = max(len(rows) // count, 1)
+    return [row for i, row in enumerate(rows) if i % stride == 0 or i == len(rows) - 1]
 
 
 def main() -> None:
-    if len(sys.argv) < 3:
+    if len(sys.argv) != 2:
         raise SystemExit(__doc__)
-    base, run = sys.argv[1], sys.argv[2]
-    questions = sys.argv[3:] or QUESTIONS
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f]
-    print("\nstep  train/loss  val/loss")
-    for m in metrics:
-        val = f"{m['val/loss']:.4f}" if "val/loss" in m else ""
-        print(f"{m['step']:>4}  {m['train/loss']:>10.4f}  {val:>8}")
-    steps = sorted(glob.glob(os.path.join(run, "global_step_*", "huggingface")), key=lambda p: int(re.findall(r"\d+", p)[-1]))
-    tuned = steps[-1]
-    for question in questions:
-        print(f"\nQ: {question}\n  before: {answer(base, question)}\n  after:  {answer(tuned, question)}")
+    work = sys.argv[1]
+    print("\nSFT                 step  train/loss")
+    for m in every(read_jsonl(os.path.join(work, "sft", "metrics.jsonl")), 4):
+        print(f"{'':<18} {m['step']:>5}  {m['train/loss']:>10.4f}")
+    print("\nGRPO                step  score  response tokens  zero-spread groups")
+    for m in every(read_jsonl(os.path.join(work, "grpo", "metrics.jsonl")), 6):
+        print(f"{'':<18} {m['step']:>5}  {m['critic/score/mean']:>5.3f}  {m['response_length/mean']:>15.1f}  {m['frac_reward_zero_std']:>18.2f}")
+    print("\nHeld-out test split, greedy: accuracy ± standard error")
+    print(f"{'model':<8} {'data_source':<14} {'n':>5} {'acc':>7} {'± se':>7} {'length':>7}")
+    for name in ("base", "sft", "grpo"):
+        with open(os.path.join(work, "eval", f"{name}.json")) as f:
+            for source, s in json.load(f).items():
+                print(f"{name:<8} {source:<14} {s['n']:>5} {s['acc']:>7.3f} {s['acc_se']:>7.3f} {s['response_length']:>7.1f}")
+    print(f"\nmodels: {work}/sft/global_step_*/huggingface, {work}/grpo/global_step_*/huggingface (transformers and vLLM load them)")
+    print(f"metrics: {work}/sft/metrics.jsonl, {work}/grpo/metrics.jsonl; plots: {work}/grpo/plots/; answers: {work}/eval/*.jsonl")
 
 
 if __name__ == "__main__":

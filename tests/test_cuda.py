@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from fsdptrain.models import attention
 from fsdptrain.models.loss import chunked_cross_entropy_sum
 
-from conftest import losses, read_metrics, run_sft
+from conftest import losses, read_metrics, run_sft, torchrun
+from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -113,3 +114,16 @@ def test_bf16_run_learns_and_stays_near_fp32(tmp_path, tiny_llama, chat_data, cu
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert bf16[-1] < bf16[0]
     assert read_metrics(out)[-1]["perf/max_memory_gb"] > 0
+
+
+def test_grpo_runs_on_cuda_with_the_engine_agreeing(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    """Two GRPO steps on CUDA in bf16 (the default) with the HF engine's sampling log-probs: the trainer's
+    old-policy log-probs agree with them to bf16 precision, and the update moves the weights."""
+    out = str(tmp_path)
+    torchrun(1, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__device="cuda",
+                                                    algorithm__rollout_correction__rollout_is="token"))
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 0.9 < m["rollout_corr/rollout_is_min"] <= m["rollout_corr/rollout_is_max"] < 1.1
+        assert m["actor/grad_norm"] > 0 and m["perf/max_memory_gb"] > 0

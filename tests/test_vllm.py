@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 
 from conftest import REPO, read_metrics, save_tiny_model, torchrun
+from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 
 pytest.importorskip("vllm")
 
@@ -27,14 +27,16 @@ def test_the_engine_samples_from_the_weights_it_was_sent(vllm_model):
     torchrun(2, "tests.vllm_check", [vllm_model])
 
 
-def test_grpo_trains_with_vllm_rollouts(tmp_path, vllm_model, rl_data):  # noqa: F811
+def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_model, rl_data):  # noqa: F811
     """Two steps on two ranks with a large learning rate: the second step's rollouts come from the updated
-    weights (the engine's log-probs are the trainer's old-policy ones to 1e-4), and the run ends cleanly."""
+    weights (the engine's log-probs are the trainer's old-policy ones to 1e-4), the run ends cleanly, and vLLM
+    serves its Hugging Face export."""
     out = str(tmp_path)
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(vllm_model, rl_data, out, actor_rollout_ref__rollout__name="vllm",
                                                     actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
                                                     actor_rollout_ref__actor__optim__lr="1e-2",
-                                                    algorithm__rollout_correction__rollout_is="token"))
+                                                    algorithm__rollout_correction__rollout_is="token",
+                                                    trainer__checkpoint__save_contents="[hf_model]"))
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[0]["actor/grad_norm"] > 0.1
@@ -42,6 +44,9 @@ def test_grpo_trains_with_vllm_rollouts(tmp_path, vllm_model, rl_data):  # noqa:
         assert 1 - 1e-4 < m["rollout_corr/rollout_is_min"] <= m["rollout_corr/rollout_is_max"] < 1 + 1e-4
         assert 0 <= m["training/rollout_probs_diff_mean"] <= m["training/rollout_probs_diff_max"] < 1e-4
         assert "val-core/arithmetic/acc/mean@1" in m or m["step"] == 1
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.evaluate", f"{out}/global_step_2/huggingface", str(rl_data / "rl_test.parquet"),
+                             "--backend", "vllm", "--max-new-tokens", "8"], cwd=REPO, check=True, capture_output=True, text=True)
+    assert "arithmetic" in result.stdout
 
 
 def test_evaluate_with_vllm_answers_as_transformers_does(tmp_path, vllm_model, rl_data):  # noqa: F811

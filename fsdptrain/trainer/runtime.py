@@ -27,7 +27,8 @@ def seed_everything(seed: int) -> None:
 
 
 def quiet_non_main(parallel: Parallel) -> None:
-    """Library warnings and logs appear once, from rank 0."""
+    """Library warnings and logs appear once, from rank 0; the trainer's progress bar is the only one."""
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars, e.g. of a rollout engine's model
     if not parallel.is_main:
         warnings.filterwarnings("ignore")
         transformers.logging.set_verbosity_error()
