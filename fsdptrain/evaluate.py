@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+import transformers
 import yaml
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.n < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         parser.error("--n, --max-new-tokens and --batch-size must be >= 1")
     reward_fn = load_reward_function(keys["custom_reward_function.path"], keys["custom_reward_function.name"])
+    transformers.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     prompts = load_prompts(files, tokenizer, yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {})

@@ -6,11 +6,12 @@
 # from GRPO needs a longer run (raise GRPO_STEPS and GRPO_PROMPTS).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables, for longer runs: WORK (where it writes; runs/quickstart), SFT_STEPS (16),
-# GRPO_STEPS (8), GRPO_PROMPTS (prompts per step, 4), GRPO_LR (1e-5), TEST_ROWS (100), NPROC (2).
+# GRPO_STEPS (8), GRPO_PROMPTS (prompts per step, 4), GRPO_LR (2e-6), TEST_ROWS (100), NPROC (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes share the cores
 WORK=${WORK:-runs/quickstart} SFT_STEPS=${SFT_STEPS:-16} GRPO_STEPS=${GRPO_STEPS:-8} GRPO_PROMPTS=${GRPO_PROMPTS:-4}
-GRPO_LR=${GRPO_LR:-1e-5}
+GRPO_LR=${GRPO_LR:-2e-6}
 TEST_ROWS=${TEST_ROWS:-100} NPROC=${NPROC:-2}
 bash scripts/setup.sh smollm2
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"

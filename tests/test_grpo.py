@@ -89,10 +89,10 @@ TOLERANCE = 5e-6  # of the gradient's norm
 @pytest.mark.slow
 def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_llama):
     """Every loss mode and aggregation mode (fp32): one process with micro-batches of 8 packed sequences, against
-    two processes with micro-batches of 1 packed and of 3 padded ones, at the defaults (a token budget), and as
-    one Ulysses group of two that each hold a slice of every sequence."""
-    layouts = {"dp1-micro8-packed": (1, 8, "true", 1), "dp2-micro1-packed": (2, 1, "true", 1), "dp2-micro3-padded": (2, 3, "false", 1),
-               "dp2-defaults": (2, "default", "true", 1), "sp2-micro3-packed": (2, 3, "true", 2)}
+    two processes with micro-batches of 1 padded sequence, at the defaults (packed rows cut by a token budget),
+    and as one Ulysses group of two that each hold a slice of every sequence."""
+    layouts = {"dp1-micro8-packed": (1, 8, "true", 1), "dp2-micro1-padded": (2, 1, "false", 1), "dp2-defaults": (2, "default", "true", 1),
+               "sp2-micro3-packed": (2, 3, "true", 2)}
     gradients = {}
     for name, (nproc, micro, packed, sp) in layouts.items():
         out = str(tmp_path / f"{name}.pt")
