@@ -202,8 +202,8 @@ def rollout_agreement(samples: Sequence[Sample], generations: Sequence[Generatio
                "training/rollout_probs_diff_max": max_over_ranks(diff_max, parallel.device)}
     if correction.rollout_is is not None:
         metrics.update({f"rollout_corr/rollout_is_{k.rsplit('/', 1)[1]}": v for k, v in global_stats("weights", weights, parallel).items()})
-        (capped,) = all_reduce_sum([capped], parallel.device, parallel.dp_group)
-        metrics["rollout_corr/rollout_is_capped_fraction"] = capped / all_reduce_sum([len(weights)], parallel.device, parallel.dp_group)[0]
+        capped, count = all_reduce_sum([capped, len(weights)], parallel.device, parallel.dp_group)
+        metrics["rollout_corr/rollout_is_capped_fraction"] = capped / count
         metrics["rollout_corr/kl"] = kl_sum / max(tokens, 1.0)
     return metrics
 
