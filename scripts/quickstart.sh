@@ -6,7 +6,8 @@
 # from GRPO needs a longer run (raise GRPO_STEPS and GRPO_PROMPTS).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables, for longer runs: WORK (where it writes; runs/quickstart), SFT_STEPS (16),
-# GRPO_STEPS (8), GRPO_PROMPTS (prompts per step, 4), GRPO_LR (2e-6), TEST_ROWS (100), NPROC (2).
+# GRPO_STEPS (8), GRPO_PROMPTS (prompts per step, 4), GRPO_LR (2e-6), TEST_ROWS (100), NPROC (2), and GRPO_ARGS:
+# more overrides for the GRPO trainer (docs/results.md's run adds dynamic sampling there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes share the cores
@@ -36,7 +37,8 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.n=8 \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 \
     trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
-    trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]'
+    trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \
+    ${GRPO_ARGS:-}
 GRPO_MODEL="$WORK/grpo/global_step_$GRPO_STEPS/huggingface"
 
 echo "== Evaluation on $TEST_ROWS held-out problems (greedy)"
