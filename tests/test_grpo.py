@@ -260,14 +260,22 @@ def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, tiny_llama,
 @pytest.mark.slow
 def test_the_preferred_token_rises(tmp_path, tokenizer, rl_data):
     """A tiny Llama whose large initial weights make its samples peaked, rewarded for the share of 'e' in what it
-    writes: the mean score rises within six steps."""
+    writes: the mean score rises within six steps. With one mini-batch the engine's sampling log-probs are compared
+    with the update's own forward (no old-policy pass), and they agree at every step."""
     model = save_tiny_model(tmp_path / "peaked", "llama", tokenizer, initializer_range=1.0)
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(model, rl_data, out, data__train_batch_size=8, actor_rollout_ref__actor__ppo_mini_batch_size=8,
                                                     actor_rollout_ref__rollout__n=8, actor_rollout_ref__actor__optim__lr="2e-2",
+                                                    actor_rollout_ref__rollout__calculate_log_probs="true",
                                                     trainer__total_training_steps=6, data__val_files="null", data__shuffle="true"))
-    scores = [m["critic/score/mean"] for m in read_metrics(out)]
+    metrics = read_metrics(out)
+    scores = [m["critic/score/mean"] for m in metrics]
     assert sum(scores[-2:]) > 1.15 * sum(scores[:2]), scores
+    for m in metrics:
+        assert "timing_s/old_log_prob" not in m
+        # This model's large weights make large logits: cached generation and a whole forward round apart by up to
+        # 1e-4 in probability at a few tokens; a stale or misaligned log-prob is off by far more.
+        assert m["training/rollout_probs_diff_mean"] < 1e-5 and m["training/rollout_probs_diff_max"] < 1e-3
 
 
 def test_rollout_sampling_log_probs_are_the_policys_at_the_temperature(tiny_llama):

@@ -23,7 +23,7 @@ from torch import nn
 from fsdptrain.config.schema import DTYPES, ConfigError, GRPOConfig, MicroBatching, check_rl_layout
 from fsdptrain.data.batching import epoch_batches
 from fsdptrain.data.dataset import Sample
-from fsdptrain.data.micro_batches import collate, plan_micro_batches
+from fsdptrain.data.micro_batches import MicroBatch, collate, plan_micro_batches
 from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists, max_over_ranks
@@ -274,17 +274,24 @@ def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: Mic
         batch = collate(micro_batch or samples[:1], packed, pad_id, parallel)
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], config.actor_rollout_ref.rollout.temperature,
                                        model_config.chunked_loss_tokens, sp_group=parallel.ulysses_group)
-        if parallel.sp_size > 1:
-            log_probs = gather_sequence(log_probs[None], parallel.ulysses_group)[0]
-        if micro_batch is None:
-            continue
-        width = batch.inputs["input_ids"].shape[1]
-        start = 0
-        for row, sample in enumerate(micro_batch):
-            offset = start if packed else row * width
-            values = log_probs[offset : offset + len(sample)].cpu()
-            sample.token_values[key] = torch.cat([torch.zeros(1), values[:-1]])  # position t predicts token t + 1
-            start += len(sample)
+        store_token_log_probs(log_probs, micro_batch, batch, packed, parallel, key)
+
+
+def store_token_log_probs(log_probs: torch.Tensor, micro_batch: list[Sample] | None, batch: MicroBatch, packed: bool, parallel: Parallel,
+                          key: str) -> None:
+    """A micro-batch's log-probs (a slice of every row under Ulysses: joined here, so every rank of the group
+    calls it) stored on each of its samples as token values `key`, aligned with input_ids."""
+    if parallel.sp_size > 1:
+        log_probs = gather_sequence(log_probs[None], parallel.ulysses_group)[0]
+    if micro_batch is None:
+        return
+    width = batch.inputs["input_ids"].shape[1]
+    start = 0
+    for row, sample in enumerate(micro_batch):
+        offset = start if packed else row * width
+        values = log_probs[offset : offset + len(sample)].detach().cpu()
+        sample.token_values[key] = torch.cat([torch.zeros(1), values[:-1]])  # position t predicts token t + 1
+        start += len(sample)
 
 
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor], num_sequences: int,
@@ -322,6 +329,8 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], config: GRPOConfig
                                              config.actor_rollout_ref.model.chunked_loss_tokens, with_entropy=True,
                                              sp_group=parallel.ulysses_group)
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
+        if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
+            store_token_log_probs(old, micro_batch, batch, packed, parallel, "old_log_prob")
         sequence_log_ratio = None
         if actor.policy_loss.loss_mode == "gspo":
             sequence_log_ratio = sequence_mean(log_probs.detach() - old, mask, targets, num_sequences, parallel)
@@ -453,9 +462,10 @@ def run_grpo(config: GRPOConfig) -> None:
     ref_batching = config.micro_batching(config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
                                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
     # One mini-batch, one epoch: the old policy is the current one (ratio exactly 1), unless the reward's KL or the
-    # engine's log-probs are to be compared with it first.
+    # rollout correction needs its log-probs before the loss. The engine's agreement metrics can wait for the update's
+    # forward, which computes the same log-probs.
     one_pass = (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size and kl_ctrl is None
-                and not rollout_log_probs_needed(config))
+                and algorithm.rollout_correction.rollout_is is None)
     draw = partial(draw_groups, train, cursor, rollout, reward_fn, tokenizer, config, parallel)
     history = []  # this process's steps, for the plots
     while step < total_steps:
@@ -476,7 +486,7 @@ def run_grpo(config: GRPOConfig) -> None:
             tick = time.perf_counter()
             compute_log_probs(model, samples, log_prob_batching, config, parallel, pad_id, "old_log_prob")
             timing["old_log_prob"] = time.perf_counter() - tick
-        if rollout_log_probs_needed(config):
+        if rollout_log_probs_needed(config) and not one_pass:
             metrics.update(rollout_agreement(samples, generations, config, parallel))
         if reference is not None:
             tick = time.perf_counter()
@@ -499,6 +509,8 @@ def run_grpo(config: GRPOConfig) -> None:
         lr = run.scheduler.get_last_lr()[0]
         metrics.update(update(model, run.optimizer, samples, config, parallel, pad_id, first_pass_is_old=one_pass))
         run.scheduler.step()
+        if rollout_log_probs_needed(config) and one_pass:
+            metrics.update(rollout_agreement(samples, generations, config, parallel))
         timing["update_actor"] = time.perf_counter() - tick
         tick = time.perf_counter()
         sync_weights(model, rollout)
