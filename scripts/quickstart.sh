@@ -10,7 +10,7 @@
 # more overrides for the GRPO trainer (docs/results.md's run adds dynamic sampling there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes share the cores
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes share the cores (evaluation: one process, every core)
 WORK=${WORK:-runs/quickstart} SFT_STEPS=${SFT_STEPS:-16} GRPO_STEPS=${GRPO_STEPS:-8} GRPO_PROMPTS=${GRPO_PROMPTS:-4}
 GRPO_LR=${GRPO_LR:-2e-6}
 TEST_ROWS=${TEST_ROWS:-100} NPROC=${NPROC:-2}
@@ -45,7 +45,7 @@ echo "== Evaluation on $TEST_ROWS held-out problems (greedy)"
 mkdir -p "$WORK/eval"
 declare -A MODELS=([base]="$WORK/smollm2" [sft]="$SFT_MODEL" [grpo]="$GRPO_MODEL")
 for name in base sft grpo; do
-    python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --max-new-tokens 32 --batch-size 50 \
+    OMP_NUM_THREADS=$(nproc) python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --max-new-tokens 32 --batch-size 50 \
         --out "$WORK/eval/$name.jsonl" --summary "$WORK/eval/$name.json" > /dev/null
 done
 python scripts/show_result.py "$WORK"

@@ -44,3 +44,27 @@ def test_bench_sft_runs_fsdptrain_and_measures_its_processes(tmp_path):
     # Two ranks and the launcher each hold torch (hundreds of MB); "shared once" counts their shared libraries once.
     assert 0.5 < row["shared_once_gb"] < row["rss_gb"]
     assert 0.2 < row["max_proc_rss_gb"] < row["rss_gb"]  # one rank, not the sum
+
+
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return solution_str.count("e") / max(len(solution_str), 1)
+"""
+
+
+def test_bench_grpo_runs_fsdptrain_and_trl_with_the_same_first_loss(tmp_path, tiny_llama):
+    pytest.importorskip("trl")
+    data, reward, out = tmp_path / "data", tmp_path / "reward.py", tmp_path / "grpo.json"
+    subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(data), "--train", "16", "--val", "2", "--test", "2"], cwd=REPO, check=True,
+                   capture_output=True)
+    reward.write_text(REWARD)
+    subprocess.run([sys.executable, "scripts/bench_grpo.py", "--model", tiny_llama, "--data", str(data), "--reward", str(reward), "--steps", "2",
+                    "--responses", "4", "--max-new-tokens", "8", "--systems", "fsdptrain-hf,trl-hf", "--work", str(tmp_path),
+                    "--json", str(out)], cwd=REPO, check=True, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())["results"]
+    for system in ("fsdptrain-hf", "trl-hf"):
+        r = results[system]
+        assert len(r["steps"]) == 2 and all(s["step"] > 0 for s in r["steps"]), (system, r)
+        # At ratio 1 both losses are -sum A_i L_i / sum L_i of the system's own samples (rewards vary: not 0).
+        assert r["first_loss_expected"] != 0 and r["first_loss"] == pytest.approx(r["first_loss_expected"], abs=1e-6), system
+        assert 0.2 < r["max_proc_rss_gb"] < 8
