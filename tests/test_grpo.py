@@ -180,13 +180,18 @@ def test_plots_are_written_and_sent_to_tensorboard(straight):
     from matplotlib.image import imread
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    for name in ("score", "val_acc", "response_length"):
+    for name in ("score", "val_acc", "response_length", "response_length_hist"):
         image = imread(os.path.join(straight, "plots", f"{name}.png"))
         assert image.shape[0] > 100 and image.std() > 0, name  # a drawn picture, not an empty canvas
     events = EventAccumulator(os.path.join(straight, "tensorboard"), size_guidance={"images": 0})
     events.Reload()
-    assert {"plots/score", "plots/response_length"} <= set(events.Tags()["images"])
+    assert {"plots/score", "plots/response_length", "plots/response_length_hist"} <= set(events.Tags()["images"])
     assert [e.step for e in events.Images("plots/score")] == [1, 2]
+    # The step curves again from the metrics file, as for a run stopped before its end.
+    redrawn = subprocess.run([sys.executable, "-m", "fsdptrain.logging.plots", os.path.join(straight, "metrics.jsonl"), os.path.join(straight, "again")],
+                             cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
+    assert [os.path.basename(p) for p in redrawn] == ["score.png", "response_length.png", "val_acc.png"]
+    assert imread(redrawn[0]).shape == imread(os.path.join(straight, "plots", "score.png")).shape
 
 
 @pytest.mark.slow

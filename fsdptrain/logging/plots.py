@@ -1,7 +1,12 @@
-"""The pictures of an RL run: score and validation accuracy against the step, and the latest step's response
-lengths, as PNG files (matplotlib, drawn off screen)."""
+"""The pictures of an RL run: score, response length and validation accuracy against the step, and the latest
+step's response lengths, as PNG files (matplotlib, drawn off screen). Also a command, for a run's metrics file:
 
+    python -m fsdptrain.logging.plots RUN_DIR/metrics.jsonl OUT_DIR
+"""
+
+import json
 import os
+import sys
 from collections.abc import Sequence
 
 import matplotlib
@@ -17,18 +22,24 @@ def _save(figure, path: str) -> str:
     return path
 
 
-def write_plots(history: Sequence[dict], response_lengths: Sequence[int], directory: str) -> list[str]:
-    """`{directory}/score.png` (mean, min and max score per step), `val_acc.png` (each validation accuracy metric,
-    where any was logged) and `response_length.png` (the histogram of the latest step). Returns the paths."""
-    os.makedirs(directory, exist_ok=True)
+def _band(history: Sequence[dict], key: str, label: str, title: str, path: str) -> str:
+    """The mean of `key` per step, with its min-max band."""
     steps = [m["step"] for m in history]
-    paths = []
     figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(steps, [m["critic/score/mean"] for m in history], label="mean")
-    axes.fill_between(steps, [m["critic/score/min"] for m in history], [m["critic/score/max"] for m in history], alpha=0.2, label="min-max")
-    axes.set(xlabel="step", ylabel="score", title="Training score")
+    axes.plot(steps, [m[f"{key}/mean"] for m in history], label="mean")
+    axes.fill_between(steps, [m[f"{key}/min"] for m in history], [m[f"{key}/max"] for m in history], alpha=0.2, label="min-max")
+    axes.set(xlabel="step", ylabel=label, title=title)
     axes.legend()
-    paths.append(_save(figure, os.path.join(directory, "score.png")))
+    return _save(figure, path)
+
+
+def write_plots(history: Sequence[dict], response_lengths: Sequence[int] | None, directory: str) -> list[str]:
+    """`{directory}/score.png` and `response_length.png` (mean, min and max per step), `val_acc.png` (each
+    validation accuracy metric, where any was logged) and, given the latest step's response lengths,
+    `response_length_hist.png`. Returns the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [_band(history, "critic/score", "score", "Training score", os.path.join(directory, "score.png")),
+             _band(history, "response_length", "tokens", "Response length", os.path.join(directory, "response_length.png"))]
     accuracies = sorted({k for m in history for k in m if k.startswith("val-core/") and "/acc/" in k})
     if accuracies:
         figure, axes = plt.subplots(figsize=(6, 4))
@@ -38,8 +49,16 @@ def write_plots(history: Sequence[dict], response_lengths: Sequence[int], direct
         axes.set(xlabel="step", ylabel="accuracy", title="Validation accuracy")
         axes.legend()
         paths.append(_save(figure, os.path.join(directory, "val_acc.png")))
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.hist(response_lengths, bins=min(30, max(1, len(set(response_lengths)))))
-    axes.set(xlabel="tokens", ylabel="responses", title=f"Response lengths at step {steps[-1]}")
-    paths.append(_save(figure, os.path.join(directory, "response_length.png")))
+    if response_lengths:
+        figure, axes = plt.subplots(figsize=(6, 4))
+        axes.hist(response_lengths, bins=min(30, len(set(response_lengths))))
+        axes.set(xlabel="tokens", ylabel="responses", title=f"Response lengths at step {history[-1]['step']}")
+        paths.append(_save(figure, os.path.join(directory, "response_length_hist.png")))
     return paths
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    with open(sys.argv[1]) as f:
+        print("\n".join(write_plots([json.loads(line) for line in f], None, sys.argv[2])))
