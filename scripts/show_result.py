@@ -20,6 +20,17 @@ def every(rows: list[dict], count: int) -> list[dict]:
     return [row for i, row in enumerate(rows) if i % stride == 0 or i == len(rows) - 1]
 
 
+def paired_difference(before: str, after: str) -> tuple[float, float]:
+    """Mean per-problem accuracy gain of `after` over `before` (evaluate's answer files, the same problems) and its
+    standard error: the spread of the per-problem differences, which counts the problems both solve only once."""
+    first = {r["index"]: r["acc"] for r in read_jsonl(before)}
+    differences = [r["acc"] - first[r["index"]] for r in read_jsonl(after)]
+    n = len(differences)
+    mean = sum(differences) / n
+    variance = sum((d - mean) ** 2 for d in differences) / max(n - 1, 1)
+    return mean, (variance / n) ** 0.5
+
+
 def main() -> None:
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
@@ -36,6 +47,8 @@ def main() -> None:
         with open(os.path.join(work, "eval", f"{name}.json")) as f:
             for source, s in json.load(f).items():
                 print(f"{name:<8} {source:<14} {s['n']:>5} {s['acc']:>7.3f} {s['acc_se']:>7.3f} {s['response_length']:>7.1f}")
+    gain, se = paired_difference(os.path.join(work, "eval", "sft.jsonl"), os.path.join(work, "eval", "grpo.jsonl"))
+    print(f"GRPO - SFT on the same problems: {gain:+.3f} ± {se:.3f} ({gain / se if se else 0.0:+.1f} standard errors)")
     print(f"\nmodels: {work}/sft/global_step_*/huggingface, {work}/grpo/global_step_*/huggingface (transformers and vLLM load them)")
     print(f"metrics: {work}/sft/metrics.jsonl, {work}/grpo/metrics.jsonl; plots: {work}/grpo/plots/; answers: {work}/eval/*.jsonl")
 

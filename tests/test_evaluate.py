@@ -168,3 +168,15 @@ def test_overlong_penalty_falls_linearly_over_the_buffer():
     # max 100 tokens, buffer 20: no penalty up to 80, -0.5 at 90, -1 at 100 (factor 1), -2 with factor 2
     assert [overlong_penalty(n, 100, 20, 1.0) for n in (50, 80, 90, 100)] == [0.0, 0.0, -0.5, -1.0]
     assert overlong_penalty(100, 100, 20, 2.0) == -2.0
+
+
+def test_the_quickstart_report_pairs_the_problems(tmp_path):
+    """GRPO - SFT over the same problems, matched by index whatever the order: the paired standard error."""
+    from show_result import paired_difference
+
+    sft, grpo = tmp_path / "sft.jsonl", tmp_path / "grpo.jsonl"
+    sft.write_text("".join(json.dumps({"index": i, "acc": a}) + "\n" for i, a in enumerate([1, 0, 0, 0, 1])))
+    grpo.write_text("".join(json.dumps({"index": i, "acc": a}) + "\n" for i, a in reversed(list(enumerate([1, 1, 1, 0, 0])))))
+    gain, se = paired_difference(str(sft), str(grpo))
+    # differences 0, 1, 1, 0, -1: mean 0.2, sample variance (0.04 + 0.64 * 2 + 0.04 + 1.44) / 4 = 0.7
+    assert gain == pytest.approx(0.2) and se == pytest.approx(math.sqrt(0.7 / 5))
