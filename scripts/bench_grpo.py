@@ -8,8 +8,8 @@ The same in every system: the model (fp32 on CPU), the prompts (the RL training 
 in order), `--prompts` prompts x `--responses` responses a step sampled at temperature 1 up to `--max-new-tokens` tokens, the
 reward (fsdptrain's built-in rule for the arithmetic data, or the `compute_score` of `--reward`, called by both), AdamW (lr, betas (0.9, 0.999), weight
 decay 0.01, constant), gradient clipping at 1, one optimizer step per generation, no KL term, no gradient
-checkpointing, `--nproc` processes of one thread each under torchrun, the vLLM engines at the same
-`--vllm-memory`.
+checkpointing, no importance-sampling correction of the engine's samples, `--nproc` processes of one thread each
+under torchrun, the vLLM engines at the same `--vllm-memory`.
 
 Where the losses are the same: fsdptrain's GRPO advantages with loss_agg_mode=token-mean and one pass over the batch,
 and TRL's loss_type=dapo with scale_rewards=group and num_iterations=1. In both the loss is minus the sum over the
@@ -146,6 +146,7 @@ def trl_worker(args) -> None:
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=not torch.cuda.is_available(), ddp_backend="gloo",
         bf16=False, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, seed=0,
         use_vllm=args.worker == "trl-vllm", vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
+        vllm_importance_sampling_correction=False,  # as fsdptrain here: its extra old-policy pass is not part of the training
     )
     trainer = Timed(model=args.model, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[StepTimer()])
     if config.use_vllm:
