@@ -92,7 +92,9 @@ def run_trl(system: str, args) -> dict:
                       "update": timing["step"] - timing["gen"], "sync": timing["sync"], "generated_tokens": generated, "trained_tokens": tokens})
     first = [pair for rank in ranks for pair in rank["first_advantages_and_lengths"]]
     diffs = [log.get("sampling/sampling_logp_difference/max", float("nan")) for log in logs]
-    return {"steps": steps, "reward": logs[-1]["reward"], "first_loss": logs[0]["loss"], "first_loss_expected": expected_first_loss(first),
+    # Each rank's loss is its share of the sum over the global token count times the number of ranks (DDP averages).
+    first_loss = sum(rank["loss"][0] for rank in ranks) / len(ranks)
+    return {"steps": steps, "reward": logs[-1]["reward"], "first_loss": first_loss, "first_loss_expected": expected_first_loss(first),
             "logp_diff_max": max(diffs), **memory}
 
 
@@ -116,7 +118,7 @@ def trl_worker(args) -> None:
         return [score_sample(compute_score, source, c[0]["content"], truth, None, f"completion {i}")["score"]
                 for i, (c, truth, source) in enumerate(zip(completions, ground_truth, data_source))]
 
-    timings = {"step": [], "gen": [], "sync": []}
+    timings = {"step": [], "gen": [], "sync": [], "loss": []}
     first_step: list = []
 
     class Timed(GRPOTrainer):
@@ -129,6 +131,11 @@ def trl_worker(args) -> None:
                 lengths = batch["completion_mask"].sum(dim=1)
                 first_step.extend(zip(batch["advantages"].tolist(), lengths.tolist()))
             return batch
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            timings["loss"].append(float(loss.detach()))  # unrounded (the logged loss has 4 decimals)
+            return loss
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_, **__):
@@ -187,7 +194,7 @@ def table(results: dict) -> str:
         lines.append(f"| {system} | {s['step_s']:.1f} | {ratio:.2f}x | {s['gen_s']:.1f} | {s['old_log_prob_s']:.1f} | {s['update_s']:.1f} "
                      f"| {s['sync_s']:.2f} ({s['sync_s'] / s['step_s']:.0%}) | {s['generated_tokens_per_s']:.0f} "
                      f"| {s['trained_tokens_per_s']:.0f} | {r['max_proc_rss_gb']:.2f} | {r['reward']:.3f} "
-                     f"| {r['first_loss']:.4f} ({r['first_loss_expected']:.4f}) | {diff:.1e} |")
+                     f"| {r['first_loss']:.6f} ({r['first_loss_expected']:.6f}) | {diff:.1e} |")
     return "\n".join(lines)
 
 
