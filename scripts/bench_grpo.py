@@ -91,11 +91,9 @@ def run_trl(system: str, args) -> dict:
         steps.append({"step": timing["step"], "gen": timing["gen"] - timing["sync"], "old_log_prob": 0.0,
                       "update": timing["step"] - timing["gen"], "sync": timing["sync"], "generated_tokens": generated, "trained_tokens": tokens})
     first = [pair for rank in ranks for pair in rank["first_advantages_and_lengths"]]
-    diffs = [log.get("sampling/sampling_logp_difference/max", float("nan")) for log in logs]
     # Each rank's loss is its share of the sum over the global token count times the number of ranks (DDP averages).
     first_loss = sum(rank["loss"][0] for rank in ranks) / len(ranks)
-    return {"steps": steps, "reward": logs[-1]["reward"], "first_loss": first_loss, "first_loss_expected": expected_first_loss(first),
-            "logp_diff_max": max(diffs), **memory}
+    return {"steps": steps, "reward": logs[-1]["reward"], "first_loss": first_loss, "first_loss_expected": expected_first_loss(first), **memory}
 
 
 def trl_worker(args) -> None:
@@ -190,7 +188,7 @@ def table(results: dict) -> str:
             continue
         s = summary(r)
         ratio = s["step_s"] / summary(base)["step_s"] if base and "error" not in base else float("nan")
-        diff = r.get("probs_diff_max", r.get("logp_diff_max", float("nan")))
+        diff = r.get("probs_diff_max", float("nan"))  # TRL logs its engine's agreement only with its correction on
         lines.append(f"| {system} | {s['step_s']:.1f} | {ratio:.2f}x | {s['gen_s']:.1f} | {s['old_log_prob_s']:.1f} | {s['update_s']:.1f} "
                      f"| {s['sync_s']:.2f} ({s['sync_s'] / s['step_s']:.0%}) | {s['generated_tokens_per_s']:.0f} "
                      f"| {s['trained_tokens_per_s']:.0f} | {r['max_proc_rss_gb']:.2f} | {r['reward']:.3f} "
