@@ -509,9 +509,9 @@ def run_grpo(config: GRPOConfig) -> None:
         lr = run.scheduler.get_last_lr()[0]
         metrics.update(update(model, run.optimizer, samples, config, parallel, pad_id, first_pass_is_old=one_pass))
         run.scheduler.step()
-        if rollout_log_probs_needed(config) and one_pass:
-            metrics.update(rollout_agreement(samples, generations, config, parallel))
         timing["update_actor"] = time.perf_counter() - tick
+        if rollout_log_probs_needed(config) and one_pass:  # the old log-probs came from the update's forward
+            metrics.update(rollout_agreement(samples, generations, config, parallel))
         tick = time.perf_counter()
         sync_weights(model, rollout)
         timing["update_weights"] = time.perf_counter() - tick
