@@ -1,7 +1,8 @@
 """Run under torchrun by test_engine.py: the pieces a second trainer (GRPO) builds on, used the way it will use
 them. A trained and a frozen (offloaded) copy of one model from the shared set-up; per-token log-probs with a
 different gradient at every token, through micro-batches whose loss inputs travel beside the model inputs; one
-clipped optimizer step; and every full parameter gathered one at a time from the shards.
+clipped optimizer step; and every full parameter gathered from the shards, one at a time or in buckets (also of
+parameters whose rows do not split evenly over the ranks).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.engine_check MODEL_DIR
 """
@@ -11,6 +12,7 @@ import sys
 import torch
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig
 
 from fsdptrain.config.schema import DTYPES, MicroBatching, load_sft_config
@@ -54,13 +56,24 @@ grad_norm, applied = clipped_step(actor, optimizer, 1.0)
 assert applied and grad_norm > 0
 
 on_disk = load_file(f"{model_dir}/model.safetensors")
-names = []
-for name, tensor in full_parameters(reference, DTYPES["bf16"]):
-    names.append(name)
-    assert tensor.dtype == torch.bfloat16 and tensor.shape == on_disk[name].shape, name
-    torch.testing.assert_close(tensor, on_disk[name].to(torch.bfloat16), rtol=0, atol=0)
-assert sorted(names) == sorted(n for n, _ in reference.named_parameters())
-changed = [name for name, tensor in full_parameters(actor) if not torch.equal(tensor, on_disk[name])]
+for bucket_bytes in (0, 50_000, 2**30):  # a parameter a collective, a few parameters, the whole model
+    names = []
+    for name, tensor in full_parameters(reference, DTYPES["bf16"], bucket_bytes):
+        names.append(name)
+        assert tensor.dtype == torch.bfloat16 and tensor.shape == on_disk[name].shape, name
+        torch.testing.assert_close(tensor, on_disk[name].to(torch.bfloat16), rtol=0, atol=0)
+    assert sorted(names) == sorted(n for n, _ in reference.named_parameters())
+changed = [name for name, tensor in full_parameters(actor, bucket_bytes=2**30) if not torch.equal(tensor, on_disk[name])]
 assert changed, "the optimizer step changed no weight"
+
+torch.manual_seed(0)
+uneven = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Linear(7, 3), torch.nn.Linear(3, 1))  # 7, 3, 1 rows over 2 ranks
+whole = {name: p.detach().clone() for name, p in uneven.named_parameters()}
+fully_shard(uneven, mesh=parallel.fsdp_mesh)
+for bucket_bytes in (0, 40, 2**20):
+    gathered = dict(full_parameters(uneven, bucket_bytes=bucket_bytes))
+    assert gathered.keys() == whole.keys()
+    for name, tensor in whole.items():
+        assert torch.equal(gathered[name], tensor), (bucket_bytes, name)
 torch.distributed.destroy_process_group()
 print("ok", parallel.rank)

@@ -41,17 +41,20 @@ hf_config = load_model_config(model_dir, "model", base.actor_rollout_ref.model, 
 model = build_sharded_model(model_dir, base.actor_rollout_ref.model, base.actor_rollout_ref.actor.fsdp_config, hf_config, base.trainer,
                             parallel, packed == "true", trainable=True)
 
-# Eight sequences, the same on every layout; each rank holds every dp-th one.
+# Eight sequences, two prompts' groups of four, the same on every layout; each rank holds every dp-th one, so a
+# rank's packed rows share each prompt between the responses they hold of it (not padded rows, not under SP).
 g = torch.Generator().manual_seed(0)
 everything = []
 for i in range(8):
-    prompt, response = int(torch.randint(3, 9, (), generator=g)), int(torch.randint(2, 12, (), generator=g))
-    ids = torch.randint(3, 1000, (prompt + response,), generator=g)
-    mask = torch.cat([torch.zeros(prompt, dtype=torch.long), (torch.rand(response, generator=g) < 0.9).long()])
-    advantage = torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.randn((), generator=g)))])
-    length = prompt + response
+    if i % 4 == 0:
+        prompt = torch.randint(3, 1000, (int(torch.randint(3, 9, (), generator=g)),), generator=g)
+    response = int(torch.randint(2, 12, (), generator=g))
+    ids = torch.cat([prompt, torch.randint(3, 1000, (response,), generator=g)])
+    mask = torch.cat([torch.zeros(len(prompt), dtype=torch.long), (torch.rand(response, generator=g) < 0.9).long()])
+    advantage = torch.cat([torch.zeros(len(prompt)), torch.full((response,), float(torch.randn((), generator=g)))])
+    length = len(ids)
     everything.append(Sample(ids, mask, {"advantage": advantage, "sequence": torch.full((length,), float(i)),
-                                         "sequence_tokens": torch.full((length,), float(mask[1:].sum()))}))
+                                         "sequence_tokens": torch.full((length,), float(mask[1:].sum()))}, shared_prefix=len(prompt)))
 mine = everything[parallel.dp_rank :: parallel.dp_size]
 compute_log_probs(model, mine, base.micro_batching(4, "size"), base, parallel, pad_id=0, key="old_log_prob")
 for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):

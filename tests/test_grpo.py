@@ -88,9 +88,10 @@ TOLERANCE = 5e-6  # of the gradient's norm
 
 @pytest.mark.slow
 def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_llama):
-    """Every loss mode and aggregation mode (fp32): one process with micro-batches of 8 packed sequences, against
-    two processes with micro-batches of 1 padded sequence, at the defaults (packed rows cut by a token budget),
-    and as one Ulysses group of two that each hold a slice of every sequence."""
+    """Every loss mode and aggregation mode (fp32): one process with micro-batches of 8 packed sequences (each
+    group's prompt held once), against two processes with micro-batches of 1 padded sequence (every prompt with
+    each response), at the defaults (packed rows cut by a token budget, sharing prompts), and as one Ulysses
+    group of two that each hold a slice of every sequence (not sharing)."""
     layouts = {"dp1-micro8-packed": (1, 8, "true", 1), "dp2-micro1-padded": (2, 1, "false", 1), "dp2-defaults": (2, "default", "true", 1),
                "sp2-micro3-packed": (2, 3, "true", 2)}
     gradients = {}

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from fsdptrain.data.dataset import Sample
 from fsdptrain.data.micro_batches import collate_packed, collate_padded
 from fsdptrain.models.attention import PACKED_ATTENTION, attend_packed, cu_seqlens_from_position_ids
-from fsdptrain.models.loss import token_nll_sum
+from fsdptrain.models.loss import token_log_probs, token_nll_sum
 
 
 def samples(lengths, vocab, seed=0):
@@ -58,6 +58,52 @@ def test_packed_equals_padded(family_model):
             token_nll_sum(padded_model, padded.inputs, padded.targets["labels"], chunk_tokens=0),
             atol=1e-5, rtol=1e-5,
         )
+
+
+def rl_groups(vocab: int) -> list[Sample]:
+    """Two prompts with their responses, and between them a sample whose first 5 tokens are no shared prompt;
+    the loss mask covers each response, and each sample says how long its prompt is."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for prompt_length, response_lengths in ((9, (4, 7, 1)), (12, (0,)), (6, (3, 5))):
+        prompt = torch.randint(3, vocab, (prompt_length,), generator=g)
+        for n in response_lengths:
+            ids = torch.cat([prompt, torch.randint(3, vocab, (n,), generator=g)])
+            shared = 5 if n == 0 else prompt_length
+            out.append(Sample(ids, (torch.arange(len(ids)) >= shared).long(), {"advantage": torch.randn(len(ids), generator=g)}, shared))
+    return out
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 0])
+def test_shared_prompts_give_each_sequence_its_own_log_probs_and_gradients(family_model, chunk_tokens):
+    """A row that holds each group's prompt once gives every response the log-probs, entropies and parameter
+    gradients that transformers computes for each prompt + response on its own (sdpa, one sequence at a time)."""
+    temperature = 0.7
+    model = AutoModelForCausalLM.from_pretrained(family_model, attn_implementation=PACKED_ATTENTION, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(family_model, attn_implementation="sdpa", dtype=torch.float32)
+    group_samples = rl_groups(min(model.config.vocab_size, 1000))
+    batch = collate_packed(group_samples, share_prefixes=True)
+    assert batch.inputs["input_ids"].shape[1] == sum(len(s) for s in group_samples) - 2 * 9 - 6  # each prompt once
+    labels = batch.targets["labels"]
+    log_probs, entropy = token_log_probs(model, batch.inputs, labels, temperature, chunk_tokens, with_entropy=True, token_rows=batch.token_rows)
+    (-(log_probs * batch.targets["advantage"].flatten()).sum() + 0.1 * entropy.sum()).backward()
+
+    expected_loss, start = 0.0, 0
+    for sample in group_samples:
+        log_softmax = (reference(input_ids=sample.input_ids[None]).logits[0, :-1] / temperature).log_softmax(-1)
+        targets = sample.loss_mask[1:].bool()
+        expected = log_softmax.gather(1, sample.input_ids[1:, None]).squeeze(1)[targets]
+        expected_entropy = -(log_softmax.exp() * log_softmax).sum(-1)[targets]
+        positions = torch.arange(start, start + len(sample) - 1)[targets]
+        torch.testing.assert_close(log_probs[positions], expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy[positions], expected_entropy, atol=2e-5, rtol=1e-5)
+        expected_loss = expected_loss - (expected * sample.token_values["advantage"][1:][targets]).sum() + 0.1 * expected_entropy.sum()
+        start += len(sample)
+    assert int((labels != -100).sum()) == sum(int(s.loss_mask[1:].sum()) for s in group_samples)
+    expected_loss.backward()
+    reference_grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, reference_grads[name].grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
 def test_sequences_do_not_see_each_other(tiny_llama):
@@ -112,7 +158,8 @@ def test_labels_and_token_values_move_to_the_position_that_predicts_their_token(
     assert batch.targets["labels"].tolist() == [[-100, 12, 13, -100, -100, 12, 13, -100, -100]]
     assert batch.targets["advantage"].tolist() == [[0.0, 0.5, 0.75, 0.0, 0.0, 0.5, 0.75, 0.0, 0.0]]
     assert batch.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]
-    assert set(batch.inputs) == {"input_ids", "position_ids"}  # loss inputs never reach the model
+    assert set(batch.inputs) == {"input_ids", "position_ids", "cu_seq_lens_q", "max_length_q"}  # loss inputs never reach the model
+    assert batch.inputs["cu_seq_lens_q"].tolist() == [0, 4, 8, 9] and batch.token_rows is None
     padded = collate_padded([s, Sample(s.input_ids[:2], s.loss_mask[:2], {"advantage": s.token_values["advantage"][:2]})], 0)
     assert padded.targets["labels"].tolist() == [[-100, 12, 13, -100], [-100, -100, -100, -100]]
     assert padded.targets["advantage"].tolist() == [[0.0, 0.5, 0.75, 0.0], [0.0, 0.0, 0.0, 0.0]]

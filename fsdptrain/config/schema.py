@@ -338,6 +338,7 @@ class RLDataConfig:
 class RLModelConfig(ModelConfig):
     path: str
     use_remove_padding: bool
+    share_prompts: bool
 
 
 @dataclass
@@ -389,6 +390,7 @@ class RolloutConfig:
     calculate_log_probs: bool
     log_prob_micro_batch_size_per_gpu: int
     val_kwargs: ValKwargsConfig
+    update_weights_bucket_megabytes: int
     tensor_model_parallel_size: int
     gpu_memory_utilization: float
     max_num_seqs: int
@@ -556,6 +558,8 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
         _one_of("actor_rollout_ref.rollout.load_format", rollout.load_format, ("dummy", "auto", "safetensors"))
     _positive("actor_rollout_ref.rollout.n", rollout.n)
     _positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
+    if rollout.update_weights_bucket_megabytes < 0:
+        raise ConfigError(f"actor_rollout_ref.rollout.update_weights_bucket_megabytes must be >= 0, got {rollout.update_weights_bucket_megabytes}")
     _positive("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
     _positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
     algorithm = config.algorithm

@@ -26,6 +26,9 @@ class Sample:
     # Per-token loss inputs aligned with input_ids (an RL advantage, an old log-prob): collation shifts them
     # like the labels, so each sits at the position that predicts its token.
     token_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Leading tokens (an RL prompt) that a packed row may hold once for the samples next to it that begin with
+    # the same ones; 0: none.
+    shared_prefix: int = 0
 
     def __len__(self) -> int:
         return self.input_ids.numel()

@@ -3,6 +3,13 @@
 A micro-batch carries the model's inputs and the loss's inputs apart: `inputs` goes to the model as keyword
 arguments, `targets` (the labels and any per-token loss inputs of the samples, shifted to the position that
 predicts their token) goes to the loss only.
+
+A packed row can hold a shared prompt once: the responses of an RL group all begin with the same prompt, so with
+`share_prefixes` consecutive samples with the same `shared_prefix` tokens put only their responses in the row,
+each attending to the first sample's prompt. The forward and backward then cost the prompt once per group, not
+once per response, and the result is the same (the prompt's gradient is the sum over its responses either way).
+The targets keep the unshared layout (every sample's positions, in order) and `token_rows` maps each of them
+to the row position whose hidden state predicts it.
 """
 
 from collections.abc import Sequence
@@ -17,14 +24,14 @@ from fsdptrain.data.batching import min_token_micro_batches, split_by_count, spl
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.ulysses import shard_sequence
-from fsdptrain.models.attention import cu_seqlens_from_position_ids, max_seqlen
 from fsdptrain.models.loss import IGNORE_INDEX
 
 
 @dataclass
 class MicroBatch:
     inputs: dict[str, Any]  # model keyword arguments: input_ids, position_ids, and attention_mask or packed boundaries
-    targets: dict[str, torch.Tensor]  # "labels" and the samples' token_values, aligned with input_ids
+    targets: dict[str, torch.Tensor]  # "labels" and the samples' token_values, each sample's positions in order
+    token_rows: torch.Tensor | None = None  # the row position of each target position where prompts are shared
 
 
 def plan_micro_batches(samples: Sequence[Sample], batching: MicroBatching, parallel: Parallel) -> list[list[Sample] | None]:
@@ -62,21 +69,52 @@ def _shifted(sample: Sample) -> dict[str, torch.Tensor]:
     return targets
 
 
-def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1) -> MicroBatch:
-    """One row of concatenated samples; position_ids restart at 0 at each sample start.
+def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1, share_prefixes: bool = False) -> MicroBatch:
+    """One row of concatenated samples; position_ids restart at 0 at each sample start, and the sequence
+    boundaries come as transformers' `cu_seq_lens_q` / `max_length_q`.
 
-    With `pad_to_multiple` > 1 the row is padded at the end by a segment whose labels are ignored.
+    With `pad_to_multiple` > 1 the row is padded at the end by a segment whose labels are ignored. With
+    `share_prefixes`, a prompt shared by consecutive samples is in the row once (see the module's docstring).
     """
-    total = sum(len(s) for s in samples)
-    pad = -total % pad_to_multiple
-    ids = [s.input_ids for s in samples] + [torch.zeros(pad, dtype=torch.long)]
-    positions = [torch.arange(len(s)) for s in samples] + [torch.arange(pad)]
+    pieces, positions, token_rows, query_lengths, key_lengths = [], [], [], [], []
+    row_length, prompt = 0, None  # prompt: (row start, ids) of the last sample's shareable prefix
+    for sample in samples:
+        p = sample.shared_prefix
+        if share_prefixes and prompt is not None and 0 < p < len(sample) and torch.equal(sample.input_ids[:p], prompt[1]):
+            piece, rows = sample.input_ids[p:], torch.cat([prompt[0] + torch.arange(p), row_length + torch.arange(len(sample) - p)])
+            positions.append(torch.arange(p, len(sample)))
+        else:
+            piece, rows = sample.input_ids, row_length + torch.arange(len(sample))
+            positions.append(torch.arange(len(sample)))
+            prompt = (row_length, sample.input_ids[:p]) if p else None
+        pieces.append(piece)
+        token_rows.append(rows)
+        query_lengths.append(len(piece))
+        key_lengths.append(len(rows))
+        row_length += len(piece)
+    pad = -row_length % pad_to_multiple
+    if pad:
+        pieces.append(torch.zeros(pad, dtype=torch.long))
+        positions.append(torch.arange(pad))
+        token_rows.append(row_length + torch.arange(pad))
+        query_lengths.append(pad)
+        key_lengths.append(pad)
     shifted = [_shifted(s) for s in samples]
     targets = {}
     for name in shifted[0]:
         padding = torch.full((pad,), IGNORE_INDEX) if name == "labels" else shifted[0][name].new_zeros(pad)
         targets[name] = torch.cat([t[name] for t in shifted] + [padding])[None]
-    return MicroBatch({"input_ids": torch.cat(ids)[None], "position_ids": torch.cat(positions)[None]}, targets)
+    inputs = {"input_ids": torch.cat(pieces)[None], "position_ids": torch.cat(positions)[None],
+              "cu_seq_lens_q": _cumulative(query_lengths), "max_length_q": max(query_lengths)}
+    if query_lengths == key_lengths:
+        return MicroBatch(inputs, targets)
+    rows = torch.cat(token_rows)
+    inputs.update(cu_seq_lens_k=_cumulative(key_lengths), max_length_k=max(key_lengths), key_rows=rows)
+    return MicroBatch(inputs, targets, token_rows=rows)
+
+
+def _cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
 
 
 def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
@@ -106,18 +144,20 @@ def _to(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, tor
     return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
 
 
-def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel) -> MicroBatch:
-    """A micro-batch on this rank's device: with sequence parallelism, its slice of the packed row."""
+def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel, share_prefixes: bool = False) -> MicroBatch:
+    """A micro-batch on this rank's device: with sequence parallelism, its slice of the packed row (prompts are
+    shared only without it: a slice's targets would need hidden states from other slices)."""
     if not packed:
         batch = collate_padded(micro_batch, pad_token_id)
         return MicroBatch(_to(batch.inputs, parallel.device), _to(batch.targets, parallel.device))
-    batch = collate_packed(micro_batch, pad_to_multiple=parallel.sp_size)
-    cu_seqlens = cu_seqlens_from_position_ids(batch.inputs["position_ids"])  # of the whole row, before sharding
-    inputs, targets = batch.inputs, batch.targets
+    batch = collate_packed(micro_batch, pad_to_multiple=parallel.sp_size, share_prefixes=share_prefixes and parallel.sp_size == 1)
+    # The boundaries (of the whole row) stay whole; they are found here on the host rather than in every layer.
+    boundaries = {k: v for k, v in batch.inputs.items() if k not in ("input_ids", "position_ids")}
+    row = {"input_ids": batch.inputs["input_ids"], "position_ids": batch.inputs["position_ids"]}
+    targets = batch.targets
     if parallel.sp_size > 1:
-        inputs, targets = (shard_sequence(t, parallel.sp_rank, parallel.sp_size) for t in (inputs, targets))
-    inputs = _to(inputs, parallel.device)
-    # Sequence boundaries for the packed attention, found here on the host rather than in every layer on the device.
-    inputs["cu_seq_lens_q"] = cu_seqlens.to(parallel.device, non_blocking=True)
-    inputs["max_length_q"] = max_seqlen(cu_seqlens)
-    return MicroBatch(inputs, _to(targets, parallel.device))
+        row, targets = (shard_sequence(t, parallel.sp_rank, parallel.sp_size) for t in (row, targets))
+    inputs = {**_to(row, parallel.device),
+              **{k: v.to(parallel.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in boundaries.items()}}
+    token_rows = None if batch.token_rows is None else batch.token_rows.to(parallel.device, non_blocking=True)
+    return MicroBatch(inputs, _to(targets, parallel.device), token_rows)

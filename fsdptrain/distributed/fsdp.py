@@ -1,15 +1,18 @@
 """FSDP2 applied to a plain Hugging Face causal LM: one group per decoder layer, one for an untied input
 embedding, then the root (final norm, output layer, and the embedding when it is tied to the output layer)."""
 
+import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdptrain.config.schema import DTYPES, FSDPConfig
+from fsdptrain.distributed.gloo_comms import exchange
 
 
 def decoder_layers(model: nn.Module) -> list:
@@ -49,21 +52,68 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: t
     fully_shard(model, **kwargs)
 
 
-def full_parameters(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for each parameter of a sharded model, one at a time, cast to `dtype` if given.
+def full_parameters(model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for each parameter of a sharded model, cast to `dtype` if given, a bucket at a time.
 
-    Each parameter is all-gathered on its own, so at most one full parameter exists beside the shards (a consumer
-    that keeps them, like the HF export, decides what it holds). Every rank must iterate: each step is a
-    collective. A tied weight comes once, under its first name.
+    Parameters are all-gathered in buckets of about `bucket_bytes` (one collective a bucket; 0: each parameter on
+    its own), so at most one bucket of full parameters exists beside the shards (a consumer that keeps them, like
+    the HF export, decides what it holds). Shards are cast before they travel. Every rank must iterate: each
+    bucket is a collective. A tied weight comes once, under its first name.
     """
+    bucket, size = [], 0
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            local = param.to_local()
-            mesh_device = param.device_mesh.device_type
-            if local.device.type != mesh_device:  # offloaded shards travel through the collective's device
-                local = local.to(mesh_device)
-            param = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
-            full = param.full_tensor()
-        else:
-            full = param.detach()
-        yield name, full if dtype is None else full.to(dtype)
+        bucket.append((name, param))
+        size += param.numel() * (dtype or param.dtype).itemsize
+        if size >= bucket_bytes:
+            yield from _gathered(bucket, dtype)
+            bucket, size = [], 0
+    yield from _gathered(bucket, dtype)
+
+
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    if not isinstance(param, DTensor):
+        return param.detach()
+    local = param.to_local()
+    if local.device.type != param.device_mesh.device_type:  # offloaded shards travel through the collective's device
+        local = local.to(_mesh_device(param.device_mesh))
+        param = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return param.full_tensor()
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+
+
+def _dim0_share(shape: torch.Size, rank: int, world: int) -> int:
+    """Elements of a rank's dim-0 shard, split as FSDP2 splits (torch.chunk: ceil(rows / world) rows a rank, the
+    last ranks' shares shorter or empty)."""
+    rows = -(-shape[0] // world)
+    return max(0, min(rows, shape[0] - rank * rows)) * math.prod(shape[1:])
+
+
+def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A bucket's full parameters: its dim-0 shards over one 1-D mesh in one all-gather, anything else alone."""
+    sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)]
+    if len(sharded) < 2 or len({id(p.device_mesh) for _, p in sharded}) > 1:
+        sharded = []
+    names = {n for n, _ in sharded}
+    for name, param in bucket:
+        if name not in names:
+            full = _full_tensor(param)
+            yield name, full if dtype is None else full.to(dtype)
+    if not sharded:
+        return
+    mesh = sharded[0][1].device_mesh
+    world, device, wire_dtype = mesh.size(), _mesh_device(mesh), dtype or sharded[0][1].dtype
+    shares = [[_dim0_share(p.shape, r, world) for _, p in sharded] for r in range(world)]
+    width = max(sum(s) for s in shares)
+    rank, group = mesh.get_local_rank(), mesh.get_group()
+    slots = torch.empty(world, width, dtype=wire_dtype, device=device)  # rank r's shards, one after another, in slot r
+    torch.cat([p.to_local().detach().reshape(-1).to(device, wire_dtype) for _, p in sharded], out=slots[rank, : sum(shares[rank])])
+    if dist.get_backend(group) == "gloo":  # straight into place, without gloo's whole-output temporary
+        exchange(group, to_send=lambda peer: slots[rank], receive_into=lambda peer: slots[peer])
+    else:
+        dist.all_gather_into_tensor(slots.view(-1), slots[rank], group=group)
+    parts = [slots[r, : sum(shares[r])].split(shares[r]) for r in range(world)]
+    for i, (name, param) in enumerate(sharded):
+        yield name, torch.cat([parts[r][i] for r in range(world)]).view(param.shape)

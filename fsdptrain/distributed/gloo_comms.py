@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 
-def _exchange(group: dist.ProcessGroup, to_send: Callable[[int], torch.Tensor], receive_into: Callable[[int], torch.Tensor]) -> None:
+def exchange(group: dist.ProcessGroup, to_send: Callable[[int], torch.Tensor], receive_into: Callable[[int], torch.Tensor]) -> None:
     """Send `to_send(peer)` to every other rank of `group` and receive from it into `receive_into(peer)`, all
     posted at once (peers are group ranks)."""
     operations = []
@@ -79,7 +79,7 @@ class PointToPointReduceScatter:
 
         shards = input_tensor.view(size, -1)
         # `received` holds the peers' shards in group-rank order, without this rank's.
-        _exchange(group, to_send=lambda peer: shards[peer], receive_into=lambda peer: received[peer - (peer > rank)])
+        exchange(group, to_send=lambda peer: shards[peer], receive_into=lambda peer: received[peer - (peer > rank)])
         torch.add(shards[rank], received[0], out=output_tensor)
         for shard in received[1:]:
             output_tensor.add_(shard)
@@ -105,7 +105,7 @@ class PointToPointAllGather:
         shards = output_tensor.view(group.size(), -1)
         if shards[group.rank()].data_ptr() != input_tensor.data_ptr():
             shards[group.rank()].copy_(input_tensor)
-        _exchange(group, to_send=lambda peer: input_tensor, receive_into=lambda peer: shards[peer])
+        exchange(group, to_send=lambda peer: input_tensor, receive_into=lambda peer: shards[peer])
 
 
 def use_gloo_comms(model: nn.Module, shard_ranks: int) -> str | None:

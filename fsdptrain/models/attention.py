@@ -8,6 +8,11 @@ On CUDA in bf16/fp16 it calls a varlen flash kernel (flash-attn's where installe
 2.10); elsewhere it runs SDPA per sequence, which on a GPU costs a kernel launch per sequence and layer.
 With Ulysses sequence parallelism the model is called with `sp_group=...`, which transformers passes down
 to here: the row is then sharded along the sequence and attention runs on a share of the heads instead.
+
+A row may also hold a prompt once for several responses (RL groups, see data.micro_batches): then `key_rows`
+lists, sequence after sequence, the row positions each sequence attends to (its prompt's, then its own), and
+`cu_seq_lens_k` / `max_length_k` describe those key sequences. A response's queries are its own tokens only, so
+its causal mask is aligned to the bottom right: its k-th token sees the prompt and its own first k tokens.
 """
 
 import inspect
@@ -61,35 +66,52 @@ def attend_packed(
     scaling: float | None,
     dropout: float = 0.0,
     max_len: int | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_len_k: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence. q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
+    """Causal attention within each packed sequence. q: (T, H, D), k/v: (Tk, Hkv, D) -> (T, H, D).
+
+    Without `cu_seqlens_k` the key sequences are the query sequences. With it, the i-th sequence's keys may be
+    longer than its queries (a shared prompt's), and the queries are its last keys (bottom-right causal mask)."""
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_len_k = cu_seqlens, max_len
     half = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
     use_flash_attn = half and flash_attn_varlen_func is not None
     use_torch_varlen = half and varlen_attn is not None and dropout == 0.0 and (scaling is None or "scale" in VARLEN_PARAMS)
     if use_flash_attn or use_torch_varlen:
         max_len = max_seqlen(cu_seqlens) if max_len is None else max_len
-        if use_flash_attn:
+        max_len_k = max_seqlen(cu_seqlens_k) if max_len_k is None else max_len_k
+        if use_flash_attn:  # flash-attn >= 2.1 aligns a causal mask of fewer queries than keys to the bottom right
             return flash_attn_varlen_func(
-                query, key, value, cu_seqlens, cu_seqlens, max_len, max_len,
+                query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k,
                 dropout_p=dropout, softmax_scale=scaling, causal=True,
             )
-        return torch_varlen_causal(query, key, value, cu_seqlens, max_len, scaling)
+        return torch_varlen_causal(query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, scaling)
     # split (not slicing) keeps the backward to one concatenation; 4-D inputs with enable_gqa reach SDPA's fused
     # CPU kernel without repeating the KV heads (3-D inputs fall back to the unfused math path).
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    key_lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     outputs = [
         F.scaled_dot_product_attention(
-            *(t.transpose(0, 1)[None] for t in (q, k, v)), dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True
+            *(t.transpose(0, 1)[None] for t in (q, k, v)), dropout_p=dropout, scale=scaling, enable_gqa=True,
+            is_causal=len(q) == len(k), attn_mask=None if len(q) == len(k) else bottom_right_causal_mask(len(q), len(k), q.device),
         )[0].transpose(0, 1)
-        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths))
+        for q, k, v in zip(query.split(lengths), key.split(key_lengths), value.split(key_lengths))
     ]
     return torch.cat(outputs)
 
 
+def bottom_right_causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(queries, keys) boolean mask where query i sees keys 0 .. keys - queries + i (SDPA's is_causal aligns top-left)."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
 def torch_varlen_causal(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scaling: float | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, max_len: int,
+    max_len_k: int, scaling: float | None
 ) -> torch.Tensor:
-    """torch's varlen flash kernel (CUDA, bf16/fp16), whichever of its signatures this torch has."""
+    """torch's varlen flash kernel (CUDA, bf16/fp16), whichever of its signatures this torch has; like flash-attn,
+    whose kernels it runs, it aligns the causal mask to the bottom right."""
     kwargs = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMS else {"is_causal": True}
     if scaling is not None:
         kwargs["scale"] = scaling
@@ -97,7 +119,7 @@ def torch_varlen_causal(
         kwargs["enable_gqa"] = True
     elif key.shape[1] != query.shape[1]:
         key, value = repeat_kv_heads(key, value, query.shape[1])
-    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, **kwargs)
 
 
 def packed_attention_forward(
@@ -112,17 +134,26 @@ def packed_attention_forward(
     sp_group: ProcessGroup | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_k: int | None = None,
+    key_rows: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: q (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None).
 
-    With `sp_group`, `cu_seq_lens_q` describes the whole row, not this rank's slice of it."""
+    With `sp_group`, `cu_seq_lens_q` describes the whole row, not this rank's slice of it. `key_rows` (with
+    `cu_seq_lens_k`) is a shared-prompt row's key layout (see the module's docstring)."""
     if query.shape[0] != 1 or (position_ids is None and cu_seq_lens_q is None):
         raise ValueError("packed attention expects one packed row (batch size 1) and its position_ids or cu_seq_lens_q")
+    if key_rows is not None and (sp_group is not None or cu_seq_lens_q is None or cu_seq_lens_k is None):
+        raise ValueError("shared-prompt rows (key_rows) need cu_seq_lens_q and cu_seq_lens_k, and no sequence parallelism")
     if cu_seq_lens_q is None:
         whole_row = position_ids if sp_group is None else gather_sequence(position_ids, sp_group)
         cu_seq_lens_q = cu_seqlens_from_position_ids(whole_row)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if key_rows is not None:
+        k, v = k[key_rows], v[key_rows]
+        return attend_packed(q, k, v, cu_seq_lens_q, scaling, dropout, max_length_q, cu_seq_lens_k, max_length_k)[None], None
     if sp_group is None:
         return attend_packed(q, k, v, cu_seq_lens_q, scaling, dropout, max_length_q)[None], None
     if k.shape[1] % get_world_size(sp_group):  # too few KV heads to split: one per query head

@@ -193,12 +193,17 @@ def token_log_probs(
     chunk_tokens: int,
     with_entropy: bool = False,
     sp_group: ProcessGroup | None = None,
+    token_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-position log-prob of each label at `temperature` (fp32, the flattened batch's shape (T,), 0 where the
-    label is IGNORE_INDEX), and with `with_entropy` each position's entropy (0 there too), else None."""
+    """Per-position log-prob of each label at `temperature` (fp32, the labels' flattened shape (T,), 0 where the
+    label is IGNORE_INDEX), and with `with_entropy` each position's entropy (0 there too), else None.
+
+    `token_rows` gives the row position of each label's position where a packed row shares prompts (the
+    micro-batch's `token_rows`); without it the labels are aligned with the flattened batch."""
     inputs = _with_sp(inputs, sp_group)
     labels = labels.flatten()
     rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    hidden_rows = rows if token_rows is None else token_rows[rows]
 
     def scatter(values: torch.Tensor | None) -> torch.Tensor | None:
         if values is None:
@@ -207,10 +212,10 @@ def token_log_probs(
 
     if chunk_tokens and supports_chunking(model):
         def head(hidden: torch.Tensor, weight: torch.Tensor):
-            return chunked_token_log_probs(hidden[rows], weight, labels[rows], temperature, chunk_tokens, with_entropy)
+            return chunked_token_log_probs(hidden[hidden_rows], weight, labels[rows], temperature, chunk_tokens, with_entropy)
         log_probs, entropy = forward_head(model, inputs, head)
     else:
-        logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[rows].float() / temperature
+        logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[hidden_rows].float() / temperature
         log_softmax = logits.log_softmax(dim=1)
         log_probs = log_softmax.gather(1, labels[rows, None]).squeeze(1)
         entropy = -(log_softmax.exp() * log_softmax).sum(dim=1) if with_entropy else None

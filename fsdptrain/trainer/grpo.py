@@ -174,7 +174,7 @@ def make_samples(generations: Sequence[Generation], mask_truncated: bool) -> lis
         if generation.log_probs is not None:
             values["rollout_log_prob"] = aligned(generation.log_probs, len(generation.prompt_ids))
         samples.append(Sample(torch.tensor(generation.prompt_ids + generation.response_ids),
-                              torch.tensor([0] * len(generation.prompt_ids) + response_mask), values))
+                              torch.tensor([0] * len(generation.prompt_ids) + response_mask), values, shared_prefix=len(generation.prompt_ids)))
     return samples
 
 
@@ -271,9 +271,9 @@ def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: Mic
     joined into whole rows."""
     model_config, packed = config.actor_rollout_ref.model, config.actor_rollout_ref.model.use_remove_padding
     for micro_batch in plan_micro_batches(list(samples), batching, parallel):
-        batch = collate(micro_batch or samples[:1], packed, pad_id, parallel)
+        batch = collate(micro_batch or samples[:1], packed, pad_id, parallel, model_config.share_prompts)
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], config.actor_rollout_ref.rollout.temperature,
-                                       model_config.chunked_loss_tokens, sp_group=parallel.ulysses_group)
+                                       model_config.chunked_loss_tokens, sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
         store_token_log_probs(log_probs, micro_batch, batch, packed, parallel, key)
 
 
@@ -311,8 +311,8 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], config: GRPOConfig
     term of a micro-batch is this rank's share of the mini-batch's loss over its global token and sequence
     counts, so the gradient does not depend on the micro-batch size, the packing or the number of ranks.
     Returns this rank's sums of the per-token metrics and its token count."""
-    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    packed = config.actor_rollout_ref.model.use_remove_padding
+    actor, rollout, model_config = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
+    packed = model_config.use_remove_padding
     batching = config.micro_batching(actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
@@ -322,12 +322,11 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], config: GRPOConfig
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
     for micro_batch in plan_micro_batches(mini, batching, parallel):
         # A rank with fewer micro-batches runs a forward that counts for nothing (FSDP needs every rank).
-        batch = collate(micro_batch or mini[:1], packed, pad_id, parallel)
+        batch = collate(micro_batch or mini[:1], packed, pad_id, parallel, model_config.share_prompts)
         targets = {k: v.flatten() for k, v in batch.targets.items()}
         mask = (targets["labels"] != IGNORE_INDEX).float() * (0.0 if micro_batch is None else 1.0)
-        log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], rollout.temperature,
-                                             config.actor_rollout_ref.model.chunked_loss_tokens, with_entropy=True,
-                                             sp_group=parallel.ulysses_group)
+        log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], rollout.temperature, model_config.chunked_loss_tokens,
+                                             with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
         if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
             store_token_log_probs(old, micro_batch, batch, packed, parallel, "old_log_prob")
@@ -367,7 +366,7 @@ def update(model: nn.Module, optimizer, samples: list[Sample], config: GRPOConfi
         if actor.shuffle:
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(config.trainer.seed + epoch)).tolist()
         for first in range(0, len(samples), per_mini):
-            mini = [samples[i] for i in order[first : first + per_mini]]
+            mini = [samples[i] for i in sorted(order[first : first + per_mini])]  # a group's responses side by side, to share their prompt
             for key, value in mini_batch_backward(model, mini, config, parallel, pad_id, first_pass_is_old).items():
                 totals[key] = totals.get(key, 0.0) + value
             norm, applied = clipped_step(model, optimizer, actor.grad_clip)
@@ -394,8 +393,9 @@ def validate(rollout: RolloutEngine, prompts: Sequence[Prompt], reward_fn: Rewar
     return metrics
 
 
-def sync_weights(model: nn.Module, rollout: RolloutEngine) -> None:
-    rollout.update_weights(full_parameters(model, rollout.dtype))
+def sync_weights(model: nn.Module, rollout: RolloutEngine, config: GRPOConfig) -> None:
+    bucket_megabytes = config.actor_rollout_ref.rollout.update_weights_bucket_megabytes
+    rollout.update_weights(full_parameters(model, rollout.dtype, bucket_bytes=bucket_megabytes * 2**20))
 
 
 def build_rollout(config: GRPOConfig, parallel: Parallel, pad_id: int) -> RolloutEngine:
@@ -454,7 +454,7 @@ def run_grpo(config: GRPOConfig) -> None:
         reference = build_sharded_model(path, model_config, ref_fsdp, hf_config, config.trainer, parallel, model_config.use_remove_padding,
                                         trainable=False)
     rollout = build_rollout(config, parallel, pad_id)
-    sync_weights(model, rollout)  # the resumed weights, before the first rollout
+    sync_weights(model, rollout, config)  # the resumed weights, before the first rollout
     if val and config.trainer.val_before_train and step == 0:
         run.logger.log(validate(rollout, val, reward_fn, tokenizer, config, parallel), 0)
     log_prob_batching = config.micro_batching(rollout_config.log_prob_micro_batch_size_per_gpu,
@@ -513,7 +513,7 @@ def run_grpo(config: GRPOConfig) -> None:
         if rollout_log_probs_needed(config) and one_pass:  # the old log-probs came from the update's forward
             metrics.update(rollout_agreement(samples, generations, config, parallel))
         tick = time.perf_counter()
-        sync_weights(model, rollout)
+        sync_weights(model, rollout, config)
         timing["update_weights"] = time.perf_counter() - tick
         step += 1
 
