@@ -3,6 +3,7 @@ its vLLM colocate mode), the same training through each system, one system at a 
 
     python scripts/bench_grpo.py --model runs/quickstart/smollm2 --data runs/quickstart/data [--steps 4] [--prompts 4]
         [--responses 8] [--max-new-tokens 32] [--nproc 2] [--systems fsdptrain-hf,fsdptrain-vllm,trl-hf,trl-vllm] [--json out.json]
+        [--fsdptrain-overrides key=value ...]
 
 The same in every system: the model (fp32 on CPU), the prompts (the RL training split of make_arithmetic_data.py,
 in order), `--prompts` prompts x `--responses` responses a step sampled at temperature 1 up to `--max-new-tokens` tokens, the
@@ -53,7 +54,7 @@ def run_fsdptrain(system: str, args) -> dict:
            f"actor_rollout_ref.rollout.name={system.split('-')[1]}", f"actor_rollout_ref.rollout.gpu_memory_utilization={args.vllm_memory}",
            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.resume_mode=disable", "trainer.logger=[file]",
            f"trainer.default_local_dir={out}", "trainer.checkpoint.save_contents=[]", f"trainer.rollout_data_dir={out}/rollouts",
-           f"custom_reward_function.path={args.reward or 'null'}"]
+           f"custom_reward_function.path={args.reward or 'null'}", *args.fsdptrain_overrides]
     memory = launch(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
@@ -208,6 +209,7 @@ def main() -> None:
     parser.add_argument("--reward", help="a Python file whose compute_score(data_source, solution_str, ground_truth, extra_info) scores")
     parser.add_argument("--vllm-memory", type=float, default=0.15, help="gpu_memory_utilization of every vLLM engine")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for the fsdptrain rows")
     parser.add_argument("--work", default="/tmp/bench_grpo")
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=("trl-hf", "trl-vllm"), help=argparse.SUPPRESS)

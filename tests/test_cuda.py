@@ -50,6 +50,21 @@ def test_packed_attention_on_cuda_matches_fp32_reference(dtype):
         torch.testing.assert_close(got.float().cpu(), want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shared_prompt_attention_on_cuda_matches_the_cpu_path(dtype):
+    """Sequences with fewer queries than keys (responses after a shared prompt) take a bottom-right causal mask on
+    the varlen kernels as on the CPU path (which test_packed.py checks against transformers)."""
+    g = torch.Generator().manual_seed(0)
+    query_lengths, key_lengths = [40, 3, 17, 1], [40, 43, 57, 41]  # a prompt, then three responses that see it
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (query_lengths, key_lengths))
+    q = torch.randn(sum(query_lengths), 8, 64, generator=g)
+    k, v = (torch.randn(sum(key_lengths), 2, 64, generator=g) for _ in range(2))
+    expected = attention.attend_packed(q, k, v, cu_q, scaling=None, cu_seqlens_k=cu_k)
+    out = attention.attend_packed(*(t.to("cuda", dtype) for t in (q, k, v)), cu_q.cuda(), scaling=None, cu_seqlens_k=cu_k.cuda())
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float().cpu(), expected, **tol)
+
+
 def test_bf16_takes_a_varlen_kernel():
     """On a torch with varlen_attn (2.10+), bf16 packed attention must not fall back to the per-sequence loop."""
     if attention.varlen_attn is None and attention.flash_attn_varlen_func is None:

@@ -152,7 +152,8 @@ def straight(tmp_path_factory, tiny_llama, rl_data):
                                                     reward_model__overlong_buffer__enable="true", reward_model__overlong_buffer__len=4,
                                                     algorithm__use_kl_in_reward="true", algorithm__kl_ctrl__type="adaptive",
                                                     algorithm__kl_ctrl__horizon=10, algorithm__kl_ctrl__target_kl=1e-6,
-                                                    trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]"))
+                                                    trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]",
+                                                    trainer__profile_step=2))
     return out
 
 
@@ -174,6 +175,10 @@ def test_a_run_writes_every_metric_the_rollouts_and_a_checkpoint(straight):
     for row in rows:
         assert row["overlong_penalty"] == pytest.approx(min(-(row["response_length"] - 4) / 4, 0.0))
     assert os.path.isfile(os.path.join(straight, "global_step_2", "huggingface", "model.safetensors"))
+    profile = os.path.join(straight, "profile")
+    assert sorted(os.listdir(profile)) == [f"step2_rank{r}.{ext}" for r in (0, 1) for ext in ("json", "txt")]
+    with open(os.path.join(profile, "step2_rank0.txt")) as f:
+        assert "aten::" in f.read()  # an operator table of the step
 
 
 @pytest.mark.slow

@@ -104,16 +104,28 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None)
     if not sharded:
         return
     mesh = sharded[0][1].device_mesh
-    world, device, wire_dtype = mesh.size(), _mesh_device(mesh), dtype or sharded[0][1].dtype
+    world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    device, wire_dtype = _mesh_device(mesh), dtype or sharded[0][1].dtype
     shares = [[_dim0_share(p.shape, r, world) for _, p in sharded] for r in range(world)]
-    width = max(sum(s) for s in shares)
-    rank, group = mesh.get_local_rank(), mesh.get_group()
-    slots = torch.empty(world, width, dtype=wire_dtype, device=device)  # rank r's shards, one after another, in slot r
-    torch.cat([p.to_local().detach().reshape(-1).to(device, wire_dtype) for _, p in sharded], out=slots[rank, : sum(shares[rank])])
-    if dist.get_backend(group) == "gloo":  # straight into place, without gloo's whole-output temporary
-        exchange(group, to_send=lambda peer: slots[rank], receive_into=lambda peer: slots[peer])
-    else:
-        dist.all_gather_into_tensor(slots.view(-1), slots[rank], group=group)
+    shards = [p.to_local().detach().reshape(-1).to(device, wire_dtype) for _, p in sharded]
+    if dist.get_backend(group) == "gloo":
+        # Each rank's rows of a parameter are one contiguous run of it: receive every run straight into place,
+        # so that each full parameter is a view of one buffer, without gloo's whole-output temporary or a copy.
+        full = torch.empty(sum(p.numel() for _, p in sharded), dtype=wire_dtype, device=device).split([p.numel() for _, p in sharded])
+        starts = [[sum(shares[q][i] for q in range(r)) for r in range(world)] for i in range(len(sharded))]
+
+        def runs(r: int) -> list[torch.Tensor]:
+            return [full[i][starts[i][r] : starts[i][r] + shares[r][i]] for i in range(len(sharded)) if shares[r][i]]
+
+        for run, local in zip(runs(rank), [t for i, t in enumerate(shards) if shares[rank][i]]):
+            run.copy_(local)
+        exchange(group, to_send=lambda peer: runs(rank), receive_into=runs)
+        for i, (name, param) in enumerate(sharded):
+            yield name, full[i].view(param.shape)
+        return
+    slots = torch.empty(world, max(sum(s) for s in shares), dtype=wire_dtype, device=device)  # rank r's shards in slot r
+    torch.cat(shards, out=slots[rank, : sum(shares[rank])])
+    dist.all_gather_into_tensor(slots.view(-1), slots[rank], group=group)
     parts = [slots[r, : sum(shares[r])].split(shares[r]) for r in range(world)]
     for i, (name, param) in enumerate(sharded):
         yield name, torch.cat([parts[r][i] for r in range(world)]).view(param.shape)

@@ -21,16 +21,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 
-def exchange(group: dist.ProcessGroup, to_send: Callable[[int], torch.Tensor], receive_into: Callable[[int], torch.Tensor]) -> None:
-    """Send `to_send(peer)` to every other rank of `group` and receive from it into `receive_into(peer)`, all
-    posted at once (peers are group ranks)."""
+def exchange(group: dist.ProcessGroup, to_send: Callable[[int], Sequence[torch.Tensor]],
+             receive_into: Callable[[int], Sequence[torch.Tensor]]) -> None:
+    """Send the tensors `to_send(peer)` to every other rank of `group` and receive from it into the tensors
+    `receive_into(peer)`, in order, all posted at once (peers are group ranks)."""
     operations = []
     for peer in range(group.size()):
         if peer != group.rank():
             peer_rank = dist.get_global_rank(group, peer)
-            operations.append(dist.P2POp(dist.isend, to_send(peer), peer_rank, group))
-            operations.append(dist.P2POp(dist.irecv, receive_into(peer), peer_rank, group))
-    for work in dist.batch_isend_irecv(operations):
+            operations += [dist.P2POp(dist.isend, t, peer_rank, group) for t in to_send(peer)]
+            operations += [dist.P2POp(dist.irecv, t, peer_rank, group) for t in receive_into(peer)]
+    for work in dist.batch_isend_irecv(operations) if operations else []:
         work.wait()
 
 
@@ -79,7 +80,7 @@ class PointToPointReduceScatter:
 
         shards = input_tensor.view(size, -1)
         # `received` holds the peers' shards in group-rank order, without this rank's.
-        exchange(group, to_send=lambda peer: shards[peer], receive_into=lambda peer: received[peer - (peer > rank)])
+        exchange(group, to_send=lambda peer: [shards[peer]], receive_into=lambda peer: [received[peer - (peer > rank)]])
         torch.add(shards[rank], received[0], out=output_tensor)
         for shard in received[1:]:
             output_tensor.add_(shard)
@@ -105,7 +106,7 @@ class PointToPointAllGather:
         shards = output_tensor.view(group.size(), -1)
         if shards[group.rank()].data_ptr() != input_tensor.data_ptr():
             shards[group.rank()].copy_(input_tensor)
-        exchange(group, to_send=lambda peer: input_tensor, receive_into=lambda peer: shards[peer])
+        exchange(group, to_send=lambda peer: [input_tensor], receive_into=lambda peer: [shards[peer]])
 
 
 def use_gloo_comms(model: nn.Module, shard_ranks: int) -> str | None:

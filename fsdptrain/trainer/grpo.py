@@ -30,6 +30,7 @@ from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists, max_o
 from fsdptrain.distributed.ulysses import gather_sequence
 from fsdptrain.evaluate import evaluate, summarize
 from fsdptrain.logging.plots import write_plots
+from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
 from fsdptrain.rl import core_algos
@@ -470,51 +471,52 @@ def run_grpo(config: GRPOConfig) -> None:
     history = []  # this process's steps, for the plots
     while step < total_steps:
         timing, metrics, start = {}, {}, time.perf_counter()
-        tick = time.perf_counter()
-        if algorithm.filter_groups.enable:
-            groups, rounds = varied_groups(draw, config, parallel)
-            metrics["train/num_gen_batches"] = rounds
-        else:
-            groups = draw()
-        prompts = [g.prompt for g in groups]
-        generations = [generation for g in groups for generation in g.generations]
-        scored = [s for g in groups for s in g.scored]
-        timing["gen"] = time.perf_counter() - tick
-
-        samples = make_samples(generations, actor.mask_truncated_completions)
-        if not one_pass:
+        with profile_step(step + 1 == config.trainer.profile_step, step + 1, config.trainer.default_local_dir, parallel.rank):
             tick = time.perf_counter()
-            compute_log_probs(model, samples, log_prob_batching, config, parallel, pad_id, "old_log_prob")
-            timing["old_log_prob"] = time.perf_counter() - tick
-        if rollout_log_probs_needed(config) and not one_pass:
-            metrics.update(rollout_agreement(samples, generations, config, parallel))
-        if reference is not None:
+            if algorithm.filter_groups.enable:
+                groups, rounds = varied_groups(draw, config, parallel)
+                metrics["train/num_gen_batches"] = rounds
+            else:
+                groups = draw()
+            prompts = [g.prompt for g in groups]
+            generations = [generation for g in groups for generation in g.generations]
+            scored = [s for g in groups for s in g.scored]
+            timing["gen"] = time.perf_counter() - tick
+
+            samples = make_samples(generations, actor.mask_truncated_completions)
+            if not one_pass:
+                tick = time.perf_counter()
+                compute_log_probs(model, samples, log_prob_batching, config, parallel, pad_id, "old_log_prob")
+                timing["old_log_prob"] = time.perf_counter() - tick
+            if rollout_log_probs_needed(config) and not one_pass:
+                metrics.update(rollout_agreement(samples, generations, config, parallel))
+            if reference is not None:
+                tick = time.perf_counter()
+                compute_log_probs(reference, samples, ref_batching, config, parallel, pad_id, "ref_log_prob")
+                timing["ref"] = time.perf_counter() - tick
+
             tick = time.perf_counter()
-            compute_log_probs(reference, samples, ref_batching, config, parallel, pad_id, "ref_log_prob")
-            timing["ref"] = time.perf_counter() - tick
+            scores = torch.tensor([s["seq_reward"] for s in scored])
+            token_rewards = outcome_rewards(scores, generations)
+            if kl_ctrl is not None:
+                metrics.update(penalize_kl(token_rewards, samples, generations, kl_ctrl, config, parallel))
+            timing["reward"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            advantages = token_advantages(token_rewards, generations, rollout_config.n, config, parallel)
+            for sample, generation, advantage in zip(samples, generations, advantages):
+                sample.token_values["advantage"] = aligned(advantage, len(generation.prompt_ids))
+            timing["adv"] = time.perf_counter() - tick
 
-        tick = time.perf_counter()
-        scores = torch.tensor([s["seq_reward"] for s in scored])
-        token_rewards = outcome_rewards(scores, generations)
-        if kl_ctrl is not None:
-            metrics.update(penalize_kl(token_rewards, samples, generations, kl_ctrl, config, parallel))
-        timing["reward"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        advantages = token_advantages(token_rewards, generations, rollout_config.n, config, parallel)
-        for sample, generation, advantage in zip(samples, generations, advantages):
-            sample.token_values["advantage"] = aligned(advantage, len(generation.prompt_ids))
-        timing["adv"] = time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        lr = run.scheduler.get_last_lr()[0]
-        metrics.update(update(model, run.optimizer, samples, config, parallel, pad_id, first_pass_is_old=one_pass))
-        run.scheduler.step()
-        timing["update_actor"] = time.perf_counter() - tick
-        if rollout_log_probs_needed(config) and one_pass:  # the old log-probs came from the update's forward
-            metrics.update(rollout_agreement(samples, generations, config, parallel))
-        tick = time.perf_counter()
-        sync_weights(model, rollout, config)
-        timing["update_weights"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            lr = run.scheduler.get_last_lr()[0]
+            metrics.update(update(model, run.optimizer, samples, config, parallel, pad_id, first_pass_is_old=one_pass))
+            run.scheduler.step()
+            timing["update_actor"] = time.perf_counter() - tick
+            if rollout_log_probs_needed(config) and one_pass:  # the old log-probs came from the update's forward
+                metrics.update(rollout_agreement(samples, generations, config, parallel))
+            tick = time.perf_counter()
+            sync_weights(model, rollout, config)
+            timing["update_weights"] = time.perf_counter() - tick
         step += 1
 
         response_advantages = [float(a[m > 0].mean()) for a, m in ((a, torch.tensor(g.response_mask)) for a, g in zip(advantages, generations))]
