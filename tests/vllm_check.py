@@ -50,7 +50,7 @@ samples = make_samples(untrained, mask_truncated=False)
 compute_log_probs(model, samples, batching, sampling, parallel, pad_id=2, key="old_log_prob")
 assert worst(samples, "old_log_prob", "rollout_log_prob") > 0.1, "the dummy-loaded engine already samples like the actor"
 
-sync_weights(model, engine)
+sync_weights(model, engine, sampling)
 generations = engine.generate(prompts, n=2, max_new_tokens=12, batch_size=4, temperature=0.8, calculate_log_probs=True)
 samples = make_samples(generations, mask_truncated=False)
 compute_log_probs(model, samples, batching, sampling, parallel, pad_id=2, key="old_log_prob")
@@ -78,7 +78,7 @@ with torch.no_grad():
 compute_log_probs(model, samples, batching, scoring, parallel, pad_id=2, key="after")
 assert worst(samples, "before", "after") > 0.1, "the update did not change the policy"
 assert worst(samples, "engine", "after") > 0.1, "the engine follows the actor without a sync"
-sync_weights(model, engine)
+sync_weights(model, engine, sampling)
 engine_log_probs(samples)
 assert worst(samples, "after", "engine") < TOLERANCE, worst(samples, "after", "engine")
 print("ok", parallel.rank, worst(samples, "after", "engine"))
