@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from fsdptrain.config.schema import ConfigError, load_grpo_config
+from fsdptrain.config.schema import ConfigError, check_rl_layout, load_grpo_config
 
 from conftest import REPO, read_metrics, save_tiny_model, torchrun
 
@@ -52,11 +52,24 @@ def grpo_config(*overrides):
         (["reward.custom_reward_function.name=f"], "reward.custom_reward_function.name is set without"),
         (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=false"],
          "ulysses_sequence_parallel_size > 1 needs actor_rollout_ref.model.use_remove_padding=true"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "tensor_model_parallel_size=2 needs actor_rollout_ref.rollout.name=vllm"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=0"], "tensor_model_parallel_size must be > 0"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+          "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "tensor_model_parallel_size > 1 with actor.ulysses_sequence_parallel_size > 1"),
+        (["actor_rollout_ref.rollout.update_weights_bucket_megabytes=-1"], "update_weights_bucket_megabytes must be >= 0"),
     ],
 )
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("|", r"\|")):
         grpo_config(*overrides)
+
+
+def test_an_engine_must_span_whole_groups_of_ranks():
+    config = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                         "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6")
+    check_rl_layout(config, dp_size=2, world_size=2)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size \(2\) must divide the number of processes \(3\)"):
+        check_rl_layout(config, dp_size=3, world_size=3)
 
 
 def test_newer_verls_reward_keys_are_accepted():

@@ -548,9 +548,13 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
                                "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.model.use_remove_padding")
     _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf", "vllm"))
     if rollout.name == "vllm":
-        if rollout.tensor_model_parallel_size != 1:
-            raise ConfigError("actor_rollout_ref.rollout.tensor_model_parallel_size: only 1 so far (each rank runs a whole engine), got "
-                              f"{rollout.tensor_model_parallel_size}")
+        _positive("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size)
+        if rollout.tensor_model_parallel_size > 1 and actor.ulysses_sequence_parallel_size > 1:
+            raise ConfigError("actor_rollout_ref.rollout.tensor_model_parallel_size > 1 with actor.ulysses_sequence_parallel_size > 1 is "
+                              "not supported: both split the ranks' prompts")
+    elif rollout.tensor_model_parallel_size != 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} needs "
+                          "actor_rollout_ref.rollout.name=vllm (the hf engine runs a whole model on every rank)")
         if not 0 < rollout.gpu_memory_utilization <= 1:
             raise ConfigError(f"actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1], got {rollout.gpu_memory_utilization}")
         for key in ("max_num_seqs", "max_num_batched_tokens"):
@@ -617,9 +621,13 @@ def _reward_function(config: GRPOConfig) -> CustomRewardConfig:
     return CustomRewardConfig(newer.path, newer.name or legacy.name)
 
 
-def check_rl_layout(config: GRPOConfig, dp_size: int) -> None:
-    """Sizes that depend on the number of data-parallel ranks, checked once the world is known."""
+def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int) -> None:
+    """Sizes that depend on the number of ranks, checked once the world is known."""
     data, actor, n = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
+    tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the number of processes ({world_size}): "
+                          "each engine spans that many consecutive ranks")
     if data.train_batch_size % dp_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
                           "each rank generates for whole prompts")

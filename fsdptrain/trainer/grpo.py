@@ -120,7 +120,9 @@ def draw_groups(train: Sequence[Prompt], cursor: PromptCursor, rollout: RolloutE
     batch = epoch_batches(len(train), data.train_batch_size, config.trainer.seed, epoch, data.shuffle)[index]
     per_rank = data.train_batch_size // parallel.dp_size
     prompts = [train[i] for i in batch[parallel.dp_rank * per_rank : (parallel.dp_rank + 1) * per_rank][parallel.sp_rank :: parallel.sp_size]]
-    torch.manual_seed(config.trainer.seed * 1_000_003 + cursor.batches * parallel.world_size + parallel.rank)  # resumable sampling
+    # Resumable sampling; the ranks of one tensor-parallel vLLM engine sample as one, from the same seed.
+    engine_index = parallel.rank // rollout_config.tensor_model_parallel_size
+    torch.manual_seed(config.trainer.seed * 1_000_003 + cursor.batches * parallel.world_size + engine_index)
     cursor.batches += 1
     n = rollout_config.n
     rollout.wake_up()
@@ -385,8 +387,9 @@ def validate(rollout: RolloutEngine, prompts: Sequence[Prompt], reward_fn: Rewar
     """Greedy (val_kwargs) accuracy and mean reward per data_source, each rank answering a share of the prompts."""
     val = config.actor_rollout_ref.rollout.val_kwargs
     mine = list(prompts[parallel.rank :: parallel.world_size])
+    # Every rank calls the engine, with or without prompts: a tensor-parallel engine needs all of its ranks.
     records = evaluate(rollout, tokenizer, mine, reward_fn, val.n, val.temperature if val.do_sample else 0.0,
-                       config.data.max_response_length, config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu) if mine else []
+                       config.data.max_response_length, config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
     metrics = {}
     for source, figures in summarize(gather_lists(records)).items():
         metrics[f"val-core/{source}/acc/mean@{val.n}"] = figures["acc"]
@@ -410,8 +413,9 @@ def build_rollout(config: GRPOConfig, parallel: Parallel, pad_id: int) -> Rollou
 
     settings = EngineSettings(rollout.gpu_memory_utilization, rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
                               rollout.enforce_eager, rollout.free_cache_engine, rollout.load_format)
-    return VLLMRollout(model.path, dtype, config.sequence_length, config.trainer.seed + parallel.rank, settings, distributed=True,
-                       trust_remote_code=model.trust_remote_code)
+    tp = rollout.tensor_model_parallel_size
+    return VLLMRollout(model.path, dtype, config.sequence_length, config.trainer.seed + parallel.rank // tp, settings, distributed=True,
+                       trust_remote_code=model.trust_remote_code, tensor_parallel_size=tp)
 
 
 def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict[str, float]:
@@ -424,7 +428,7 @@ def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict
 def run_grpo(config: GRPOConfig) -> None:
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     parallel = start_run(config.trainer, sp_size=actor.ulysses_sequence_parallel_size)
-    check_rl_layout(config, parallel.dp_size)
+    check_rl_layout(config, parallel.dp_size, parallel.world_size)
     model_config, rollout_config = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout
     path, path_key = model_config.path, "actor_rollout_ref.model.path"
     hf_config = load_model_config(path, path_key, model_config, parallel.sp_size)

