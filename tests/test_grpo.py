@@ -57,6 +57,10 @@ def grpo_config(*overrides):
         (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "tensor_model_parallel_size > 1 with actor.ulysses_sequence_parallel_size > 1"),
         (["actor_rollout_ref.rollout.update_weights_bucket_megabytes=-1"], "update_weights_bucket_megabytes must be >= 0"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"],
+         r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=0"], "max_num_seqs must be > 0"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=pt"], "load_format must be one of dummy"),
     ],
 )
 def test_bad_values_are_named(overrides, message):

@@ -552,14 +552,14 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
         if rollout.tensor_model_parallel_size > 1 and actor.ulysses_sequence_parallel_size > 1:
             raise ConfigError("actor_rollout_ref.rollout.tensor_model_parallel_size > 1 with actor.ulysses_sequence_parallel_size > 1 is "
                               "not supported: both split the ranks' prompts")
-    elif rollout.tensor_model_parallel_size != 1:
-        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} needs "
-                          "actor_rollout_ref.rollout.name=vllm (the hf engine runs a whole model on every rank)")
         if not 0 < rollout.gpu_memory_utilization <= 1:
             raise ConfigError(f"actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1], got {rollout.gpu_memory_utilization}")
         for key in ("max_num_seqs", "max_num_batched_tokens"):
             _positive(f"actor_rollout_ref.rollout.{key}", getattr(rollout, key))
         _one_of("actor_rollout_ref.rollout.load_format", rollout.load_format, ("dummy", "auto", "safetensors"))
+    elif rollout.tensor_model_parallel_size != 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} needs "
+                          "actor_rollout_ref.rollout.name=vllm (the hf engine runs a whole model on every rank)")
     _positive("actor_rollout_ref.rollout.n", rollout.n)
     _positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
     if rollout.update_weights_bucket_megabytes < 0:
