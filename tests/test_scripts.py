@@ -10,8 +10,9 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def smoke(tmp_path, model, data, *overrides):
-    env = {**os.environ, "MODEL": model, "TRAIN": data["train"], "VAL": data["val"], "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+def smoke(tmp_path, model, data, *overrides, nproc=2):
+    env = {**os.environ, "MODEL": model, "TRAIN": data["train"], "VAL": data["val"], "OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "NPROC": str(nproc)}
     return subprocess.run(["bash", "scripts/smoke_sft.sh", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -22,7 +23,7 @@ def test_smoke_passes(tmp_path, tiny_qwen2, chat_data):
 
 
 def test_smoke_names_the_failed_check(tmp_path, tiny_llama, chat_data):
-    result = smoke(tmp_path, tiny_llama, chat_data, "trainer.total_training_steps=3")  # stops before the step-5 save
+    result = smoke(tmp_path, tiny_llama, chat_data, "trainer.total_training_steps=3", nproc=1)  # stops before the step-5 save
     assert result.returncode != 0
     assert "SMOKE FAILED: checkpoint: " in result.stderr and "global_step_5/huggingface is missing" in result.stderr
 
