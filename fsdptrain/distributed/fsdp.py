@@ -107,7 +107,7 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None)
     world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     device, wire_dtype = _mesh_device(mesh), dtype or sharded[0][1].dtype
     shares = [[_dim0_share(p.shape, r, world) for _, p in sharded] for r in range(world)]
-    shards = [p.to_local().detach().reshape(-1).to(device, wire_dtype) for _, p in sharded]
+    shards = [p.to_local().detach().reshape(-1) for _, p in sharded]
     if dist.get_backend(group) == "gloo":
         # Each rank's rows of a parameter are one contiguous run of it: receive every run straight into place,
         # so that each full parameter is a view of one buffer, without gloo's whole-output temporary or a copy.
@@ -117,14 +117,15 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None)
         def runs(r: int) -> list[torch.Tensor]:
             return [full[i][starts[i][r] : starts[i][r] + shares[r][i]] for i in range(len(sharded)) if shares[r][i]]
 
-        for run, local in zip(runs(rank), [t for i, t in enumerate(shards) if shares[rank][i]]):
-            run.copy_(local)
-        exchange(group, to_send=lambda peer: runs(rank), receive_into=runs)
+        own = runs(rank)
+        for run, shard in zip(own, [t for t in shards if t.numel()]):
+            run.copy_(shard)  # cast and moved in the one copy
+        exchange(group, to_send=lambda peer: own, receive_into=runs)
         for i, (name, param) in enumerate(sharded):
             yield name, full[i].view(param.shape)
         return
     slots = torch.empty(world, max(sum(s) for s in shares), dtype=wire_dtype, device=device)  # rank r's shards in slot r
-    torch.cat(shards, out=slots[rank, : sum(shares[rank])])
+    torch.cat([t.to(device, wire_dtype) for t in shards], out=slots[rank, : sum(shares[rank])])
     dist.all_gather_into_tensor(slots.view(-1), slots[rank], group=group)
     parts = [slots[r, : sum(shares[r])].split(shares[r]) for r in range(world)]
     for i, (name, param) in enumerate(sharded):
