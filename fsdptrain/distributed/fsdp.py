@@ -110,8 +110,9 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None)
     shards = [p.to_local().detach().reshape(-1) for _, p in sharded]
     if dist.get_backend(group) == "gloo":
         # Each rank's rows of a parameter are one contiguous run of it: receive every run straight into place,
-        # so that each full parameter is a view of one buffer, without gloo's whole-output temporary or a copy.
-        full = torch.empty(sum(p.numel() for _, p in sharded), dtype=wire_dtype, device=device).split([p.numel() for _, p in sharded])
+        # without gloo's whole-output temporary or a copy. Each parameter is its own allocation: host memory that
+        # the step freed holds parameter-sized pieces, where one bucket-sized block would grow the heap.
+        full = [torch.empty(p.numel(), dtype=wire_dtype, device=device) for _, p in sharded]
         starts = [[sum(shares[q][i] for q in range(r)) for r in range(world)] for i in range(len(sharded))]
 
         def runs(r: int) -> list[torch.Tensor]:
