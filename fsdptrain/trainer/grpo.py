@@ -121,8 +121,7 @@ def draw_groups(train: Sequence[Prompt], cursor: PromptCursor, rollout: RolloutE
     per_rank = data.train_batch_size // parallel.dp_size
     prompts = [train[i] for i in batch[parallel.dp_rank * per_rank : (parallel.dp_rank + 1) * per_rank][parallel.sp_rank :: parallel.sp_size]]
     # Resumable sampling; the ranks of one tensor-parallel vLLM engine sample as one, from the same seed.
-    engine_index = parallel.rank // rollout_config.tensor_model_parallel_size
-    torch.manual_seed(config.trainer.seed * 1_000_003 + cursor.batches * parallel.world_size + engine_index)
+    torch.manual_seed(config.trainer.seed * 1_000_003 + cursor.batches * parallel.world_size + rollout_engine_index(config, parallel))
     cursor.batches += 1
     n = rollout_config.n
     rollout.wake_up()
@@ -413,9 +412,14 @@ def build_rollout(config: GRPOConfig, parallel: Parallel, pad_id: int) -> Rollou
 
     settings = EngineSettings(rollout.gpu_memory_utilization, rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
                               rollout.enforce_eager, rollout.free_cache_engine, rollout.load_format)
-    tp = rollout.tensor_model_parallel_size
-    return VLLMRollout(model.path, dtype, config.sequence_length, config.trainer.seed + parallel.rank // tp, settings, distributed=True,
-                       trust_remote_code=model.trust_remote_code, tensor_parallel_size=tp)
+    return VLLMRollout(model.path, dtype, config.sequence_length, config.trainer.seed + rollout_engine_index(config, parallel), settings,
+                       distributed=True, trust_remote_code=model.trust_remote_code, tensor_parallel_size=rollout.tensor_model_parallel_size)
+
+
+def rollout_engine_index(config: GRPOConfig, parallel: Parallel) -> int:
+    """Which rollout engine this rank belongs to: each group of `tensor_model_parallel_size` consecutive ranks
+    shares one, so they must sample from one seed."""
+    return parallel.rank // config.actor_rollout_ref.rollout.tensor_model_parallel_size
 
 
 def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict[str, float]:
