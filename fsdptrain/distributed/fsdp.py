@@ -92,9 +92,9 @@ def _dim0_share(shape: torch.Size, rank: int, world: int) -> int:
 
 
 def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """A bucket's full parameters: its dim-0 shards over one 1-D mesh in one all-gather, anything else alone."""
+    """A bucket's full parameters: its dim-0 shards over one 1-D mesh in one exchange, anything else alone."""
     sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)]
-    if len(sharded) < 2 or len({id(p.device_mesh) for _, p in sharded}) > 1:
+    if len({id(p.device_mesh) for _, p in sharded}) > 1:
         sharded = []
     names = {n for n, _ in sharded}
     for name, param in bucket:
