@@ -22,7 +22,7 @@ import yaml
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fsdptrain.rl.data import Prompt, load_prompts
-from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_sample
+from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_responses
 from fsdptrain.rl.rollout.hf import HFRollout
 
 
@@ -53,14 +53,12 @@ def evaluate(
     """One record per response of a rollout engine (HFRollout, VLLMRollout): prompt, response, its scores
     (`score`, `acc`, and any the reward function adds)."""
     responses = engine.generate([p.ids for p in prompts], n, max_new_tokens, batch_size, do_sample=temperature > 0, temperature=temperature or 1.0)
+    scored = score_responses(reward_fn, tokenizer, prompts, [r.response_ids for r in responses], n, "")
     records = []
-    for index, response in enumerate(responses):
-        prompt, ids, truncated = prompts[index // n], response.response_ids, response.truncated
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        sample = f"prompt {index // n} ({prompt.data_source}), response {index % n}"
-        scores = score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, sample)
-        records.append({"index": index // n, "data_source": prompt.data_source, "prompt": prompt.messages, "response": text,
-                        "ground_truth": prompt.ground_truth, "response_length": len(ids), "truncated": truncated, **scores})
+    for index, (response, scores) in enumerate(zip(responses, scored)):
+        prompt = prompts[index // n]
+        records.append({"index": index // n, "data_source": prompt.data_source, "prompt": prompt.messages, "ground_truth": prompt.ground_truth,
+                        "truncated": response.truncated, **scores})
     return records
 
 

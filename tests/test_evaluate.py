@@ -22,6 +22,7 @@ from fsdptrain.rl.rewards import (
     load_reward_function,
     math_score,
     overlong_penalty,
+    score_responses,
     score_sample,
 )
 
@@ -162,6 +163,20 @@ def test_evaluate_equals_generation_and_scoring_done_here(tmp_path, tiny_llama, 
     assert figures["acc"] == pytest.approx(accuracy) and figures["n"] == len(records)
     assert figures["acc_se"] == pytest.approx(math.sqrt(accuracy * (1 - accuracy) / len(records)))
     assert "arithmetic" in result.stdout and "± se" in result.stdout
+
+
+def test_responses_are_scored_against_their_own_prompt(arithmetic, tokenizer):
+    """Response i answers prompt i // n: each is decoded and scored against that prompt's ground truth, and a
+    failing reward function names the response."""
+    prompts = load_prompts([str(arithmetic / "rl_test.parquet")], tokenizer)[:2]
+    texts = [f"#### {prompts[0].ground_truth}", "#### nothing", "#### 0", f"#### {prompts[1].ground_truth}"]
+    responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
+    scored = score_responses(default_compute_score, tokenizer, prompts, responses, 2, "")
+    assert [s["response"] for s in scored] == texts  # special tokens dropped
+    assert [s["response_length"] for s in scored] == [len(ids) for ids in responses]
+    assert [s["acc"] for s in scored] == [1.0, 0.0, float(prompts[1].ground_truth == "0"), 1.0]
+    with pytest.raises(RewardError, match=r"failed on batch 3, prompt 1 \(arithmetic\), response 0: ZeroDivisionError"):
+        score_responses(lambda source, text, truth, extra: 1 / (text != texts[2]), tokenizer, prompts, responses, 2, "batch 3, ")
 
 
 def test_overlong_penalty_falls_linearly_over_the_buffer():

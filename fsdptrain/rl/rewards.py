@@ -9,8 +9,12 @@ import importlib.util
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from fsdptrain.rl.data import Prompt
 
 RewardFn = Callable[[str, str, Any, dict | None], float | dict]
 
@@ -130,6 +134,20 @@ def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: An
         raise RewardError(f"the reward function returned {result!r} for {sample}: a finite score is required")
     scores.setdefault("acc", float(scores["score"] > 0))
     return scores
+
+
+def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]], n: int,
+                    where: str) -> list[dict]:
+    """Each response's scores (as `score_sample`) with its text (`response`) and length in tokens
+    (`response_length`); response i answers prompts[i // n]. `where` starts the name of a failing sample."""
+    scored = []
+    for i, ids in enumerate(responses):
+        prompt = prompts[i // n]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        sample = f"{where}prompt {i // n} ({prompt.data_source}), response {i % n}"
+        scores = score_sample(fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, sample)
+        scored.append({**scores, "response": text, "response_length": len(ids)})
+    return scored
 
 
 def overlong_penalty(response_length: int, max_response_length: int, buffer_length: int, penalty_factor: float) -> float:

@@ -35,7 +35,7 @@ from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.data import Prompt, load_prompts
-from fsdptrain.rl.rewards import RewardFn, load_reward_function, overlong_penalty, score_sample
+from fsdptrain.rl.rewards import RewardFn, load_reward_function, overlong_penalty, score_responses
 from fsdptrain.rl.rollout.hf import Generation, HFRollout
 from fsdptrain.trainer.optim import clipped_step
 from fsdptrain.trainer.runtime import log, peak_memory_gb
@@ -72,19 +72,13 @@ def score(generations: Sequence[Generation], prompts: Sequence[Prompt], reward_f
     """Each response's scores from the reward function; `seq_reward`, what it is trained on, adds DAPO's overlong
     penalty to `score` where that is on."""
     n, overlong = config.actor_rollout_ref.rollout.n, config.reward_model.overlong_buffer
-    scores = []
-    for i, generation in enumerate(generations):
-        prompt = prompts[i // n]
-        text = tokenizer.decode(generation.response_ids, skip_special_tokens=True)
-        sample = f"{where}, prompt {i // n} ({prompt.data_source}) of this rank, response {i % n}"
-        scored = {**score_sample(reward_fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, sample), "response": text,
-                  "response_length": len(generation.response_ids)}
+    scores = score_responses(reward_fn, tokenizer, prompts, [g.response_ids for g in generations], n, f"{where}, this rank's ")
+    for scored in scores:
         scored["seq_reward"] = scored["score"]
         if overlong.enable:
-            scored["overlong_penalty"] = overlong_penalty(len(generation.response_ids), config.data.max_response_length, overlong.len,
+            scored["overlong_penalty"] = overlong_penalty(scored["response_length"], config.data.max_response_length, overlong.len,
                                                           overlong.penalty_factor)
             scored["seq_reward"] += scored["overlong_penalty"]
-        scores.append(scored)
     return scores
 
 
