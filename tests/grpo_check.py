@@ -1,5 +1,6 @@
 """Run under torchrun by test_grpo.py: one GRPO mini-batch's gradient, for every loss mode and aggregation mode,
-written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared.
+written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared; and the old
+log-probs that the one-pass update keeps, checked here against a separate pass.
 
     python -m torch.distributed.run --nproc_per_node=N -m tests.grpo_check MODEL_DIR OUT MICRO PACKED SP
 
@@ -57,6 +58,7 @@ for i in range(8):
                                          "sequence_tokens": torch.full((length,), float(mask[1:].sum()))}, shared_prefix=len(prompt)))
 mine = everything[parallel.dp_rank :: parallel.dp_size]
 compute_log_probs(model, mine, base.micro_batching(4, "size"), base, parallel, pad_id=0, key="old_log_prob")
+separate_pass = [sample.token_values["old_log_prob"].clone() for sample in mine]
 for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
     noise = torch.randn(len(sample), generator=torch.Generator().manual_seed(100 + index)) * 0.3  # ratios on both sides of the clip
     sample.token_values["old_log_prob"] += noise * sample.loss_mask
@@ -70,6 +72,15 @@ for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES):
     gradients[f"{loss_mode} {agg_mode}"] = {
         name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()
     }
+
+# One mini-batch, one epoch: the update's own forward is the old policy, and it keeps those log-probs for the
+# engine's agreement metrics (Ulysses slices joined); they are the separate pass's, whatever the layout.
+for sample in mine:
+    sample.token_values["rollout_log_prob"] = torch.zeros(len(sample))
+    del sample.token_values["old_log_prob"]
+mini_batch_backward(model, mine, base, parallel, pad_id=0, first_pass_is_old=True)
+for sample, log_probs in zip(mine, separate_pass):
+    torch.testing.assert_close(sample.token_values["old_log_prob"], log_probs, atol=1e-5, rtol=0)
 if parallel.is_main:
     torch.save(gradients, out)
 torch.distributed.destroy_process_group()
