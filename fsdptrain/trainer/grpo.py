@@ -182,7 +182,7 @@ def rollout_agreement(samples: Sequence[Sample], generations: Sequence[Generatio
     weights, capped = [], 0.0
     for sample, generation in zip(samples, generations):
         start = len(generation.prompt_ids)
-        mask = torch.tensor(generation.response_mask, dtype=torch.float32)
+        mask = generation.mask
         old, rollout = sample.token_values["old_log_prob"][start:], sample.token_values["rollout_log_prob"][start:]
         difference = (old.exp() - rollout.exp()).abs() * mask
         diff_sum, diff_max = diff_sum + float(difference.sum()), max(diff_max, float(difference.max()))
@@ -208,7 +208,7 @@ def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> 
     """Per-response-token rewards: each response's score on its last produced token."""
     rewards = []
     for value, generation in zip(scores, generations):
-        mask = torch.tensor(generation.response_mask, dtype=torch.float32)
+        mask = generation.mask
         reward = torch.zeros_like(mask)
         reward[int(mask.nonzero().max())] = value
         rewards.append(reward)
@@ -224,7 +224,7 @@ def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], ge
         start = len(generation.prompt_ids)
         kl = core_algos.kl_penalty(sample.token_values["old_log_prob"][start:], sample.token_values["ref_log_prob"][start:],
                                    config.algorithm.kl_penalty)
-        mask = torch.tensor(generation.response_mask, dtype=torch.float32)
+        mask = generation.mask
         reward -= beta * kl * mask
         sequence_means.append(float((kl * mask).sum() / mask.sum().clamp(min=1)))
     total, count = all_reduce_sum([sum(sequence_means), float(len(sequence_means))], parallel.device, parallel.dp_group)
@@ -237,7 +237,7 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
     """Each response's per-token advantages: a group estimator's value (from the summed rewards) on every token, or
     REINFORCE++'s discounted returns; the REINFORCE++ variants are whitened over every rank's response tokens."""
     algorithm = config.algorithm
-    masks = [torch.tensor(g.response_mask, dtype=torch.float32) for g in generations]
+    masks = [g.mask for g in generations]
     if algorithm.adv_estimator == "reinforce_plus_plus":
         advantages = [core_algos.discounted_returns(reward, mask, algorithm.gamma) for reward, mask in zip(token_rewards, masks)]
     else:
@@ -521,7 +521,7 @@ def run_grpo(config: GRPOConfig) -> None:
             timing["update_weights"] = time.perf_counter() - tick
         step += 1
 
-        response_advantages = [float(a[m > 0].mean()) for a, m in ((a, torch.tensor(g.response_mask)) for a, g in zip(advantages, generations))]
+        response_advantages = [float(a[g.mask > 0].mean()) for a, g in zip(advantages, generations)]
         metrics.update(step_metrics(prompts, generations, scores, token_rewards, response_advantages, config, parallel))
         metrics["actor/lr"] = lr
         if actor.use_kl_loss:

@@ -18,6 +18,11 @@ class Generation:
     log_probs: list[float] | None  # with calculate_log_probs, the sampling log-probs: after temperature, top-k and top-p
     truncated: bool  # stopped by max_new_tokens before an end token
 
+    @property
+    def mask(self) -> torch.Tensor:
+        """response_mask as float weights for per-token sums over the response."""
+        return torch.tensor(self.response_mask, dtype=torch.float32)
+
 
 def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
     eos = model.generation_config.eos_token_id
