@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from fsdptrain.config.schema import load_grpo_config
+from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.trainer.grpo import run_grpo
 
 

@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from fsdptrain.config.schema import load_sft_config
+from fsdptrain.config.sft import load_sft_config
 from fsdptrain.trainer.sft import run_sft
 
 

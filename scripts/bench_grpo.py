@@ -97,6 +97,7 @@ def run_trl(system: str, args) -> dict:
     return {"steps": steps, "reward": logs[-1]["reward"], "first_loss": first_loss, "first_loss_expected": expected_first_loss(first), **memory}
 
 
+# long: one TRL run as its own user would write it, set-up to teardown; split, its measured loop would read less plainly
 def trl_worker(args) -> None:
     """One rank of TRL's GRPOTrainer, timing its steps, generation calls and weight syncs."""
     import pyarrow.parquet as pq

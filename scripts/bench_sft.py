@@ -45,10 +45,11 @@ from bench_common import launch, torchrun  # noqa: E402
 def tokenized(model_dir: str, train: str, max_length: int):
     from transformers import AutoTokenizer
 
-    from fsdptrain.config.schema import DataConfig, sft_defaults, to_typed
+    from fsdptrain.config.base import defaults, to_typed
+    from fsdptrain.config.sft import DataConfig
     from fsdptrain.data.dataset import load_sft_samples
 
-    base = sft_defaults().data
+    base = defaults("sft_trainer").data
     base.update({"train_files": [train], "max_length": max_length, "truncation": "right"})
     base.multiturn.enable = True
     config = to_typed(base, DataConfig)
@@ -227,7 +228,8 @@ def prepare(args) -> None:
             subprocess.run([sys.executable, os.path.join(HERE, "smollm2_to_hf.py"), args.model_dir], check=True, stdout=subprocess.DEVNULL)
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, dict[str, list[str]]]:
+    """The arguments, with --variant rows expanded into args.systems; returns them and the variants by row name."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=[*RANDOM_MODELS, "smollm2"], default="tiny")
     parser.add_argument("--smollm2-dir", help="an existing SmolLM2 HF folder (default: converted into the work dir)")
@@ -255,7 +257,7 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return run_hf(args.worker, args)
+        return args, {}
     if args.variant and "fsdptrain" not in args.systems:
         parser.error("--variant adds fsdptrain rows: keep fsdptrain among --systems")
     variants = {"fsdptrain " + " ".join(v): v for v in args.variant}
@@ -264,7 +266,13 @@ def main() -> None:
         per_step = args.micro * (args.nproc if system.endswith("-ddp") else 1)
         if system not in ("fsdptrain", *variants) and args.batch % per_step:
             parser.error(f"--batch {args.batch} is not a multiple of {system}'s samples per accumulation step ({per_step})")
+    return args, variants
 
+
+def main() -> None:
+    args, variants = parse_args()
+    if args.worker:
+        return run_hf(args.worker, args)
     with tempfile.TemporaryDirectory() as tmp:
         args.work = args.work or tmp
         prepare(args)
@@ -288,7 +296,11 @@ def main() -> None:
                 else:
                     runs[system].append(run_hf_system(system, args))
         results = {system: median_run(system_runs) for system, system_runs in runs.items()}
+    report(args, results, steps, n_params, flops, peak)
 
+
+def report(args: argparse.Namespace, results: dict[str, dict], steps: list, n_params: int, flops: float, peak: float) -> None:
+    """The table of every system's median run against fsdptrain's, and with --json the same rows in a file."""
     total_tokens, loss_tokens = sum(s[0] for s in steps), sum(s[1] for s in steps)
     base = results.get("fsdptrain")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"

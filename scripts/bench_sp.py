@@ -33,10 +33,12 @@ def build_folder(path: str, args) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+# long: one measured run, set-up to teardown, in the order its timings are taken
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from fsdptrain.config.schema import SFTModelConfig, sft_defaults, to_typed
+    from fsdptrain.config.base import defaults, to_typed
+    from fsdptrain.config.sft import SFTModelConfig
     from fsdptrain.data.dataset import Sample
     from fsdptrain.data.micro_batches import collate
     from fsdptrain.distributed.mesh import init_parallel
@@ -44,7 +46,7 @@ def worker(args) -> None:
     from fsdptrain.models.loss import token_nll_sum
 
     parallel = init_parallel("auto", int(os.environ["WORLD_SIZE"]))
-    defaults = sft_defaults().model
+    defaults = defaults("sft_trainer").model
     defaults.partial_pretrain = args.model
     defaults.enable_gradient_checkpointing = False
     model_config = to_typed(defaults, SFTModelConfig)

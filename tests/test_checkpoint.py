@@ -117,7 +117,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, tiny_llama,
 def test_torchrun_restarts_a_killed_rank_and_finishes_the_same(tmp_path, tiny_llama, chat_data, straight):
     out = str(tmp_path)
     # torchrun shares its rendezvous store with the workers; restarted workers can then read the previous
-    # attempt's gloo addresses and fail to connect (pytorch/pytorch#135712). README documents the same setting.
+    # attempt's gloo addresses and fail to connect (pytorch/pytorch#135712). docs/sft.md documents the same setting.
     restartable = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     process = start_sft(2, tiny_llama, chat_data, out, torchrun_args=["--max-restarts=2"], env=restartable, trainer__save_freq=2, **RUN)
     wait_for(os.path.join(out, "global_step_2", "meta.json"), process)

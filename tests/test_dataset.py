@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from fsdptrain.config.schema import DataConfig, sft_defaults, to_typed
+from fsdptrain.config.base import defaults, to_typed
+from fsdptrain.config.sft import DataConfig
 from fsdptrain.data.chat import tokenize_conversation
 from fsdptrain.data.dataset import DataError, load_sft_samples
 
@@ -13,7 +14,7 @@ GOOD = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel
 
 
 def data_config(**overrides) -> DataConfig:
-    base = sft_defaults().data
+    base = defaults("sft_trainer").data
     base.train_files = "unused"
     base.multiturn.enable = True
     for key, value in overrides.items():

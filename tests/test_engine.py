@@ -1,8 +1,8 @@
-"""The shared engine used as a second trainer would use it (tests/engine_check.py, under torchrun on 2 ranks)."""
+"""The shared engine used as a second trainer would use it (tests/checks/engine_check.py, under torchrun on 2 ranks)."""
 
 from conftest import torchrun
 
 
 def test_trained_and_frozen_models_log_probs_optimizer_and_full_parameters(tiny_llama):
-    result = torchrun(2, "tests.engine_check", [tiny_llama])
+    result = torchrun(2, "tests.checks.engine_check", [tiny_llama])
     assert result.stdout.count("ok") == 2

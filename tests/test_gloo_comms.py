@@ -9,5 +9,5 @@ from conftest import torchrun
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_match_gloo_collectives_and_never_overwrite_an_output(nproc):
-    result = torchrun(nproc, "tests.gloo_comms_check", [])
+    result = torchrun(nproc, "tests.checks.gloo_comms_check", [])
     assert result.stdout.count("ok") == nproc

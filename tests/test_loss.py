@@ -169,5 +169,5 @@ def test_model_log_probs_and_gradients_match_full_logits(tiny_qwen2, tied):
 
 
 def test_log_probs_under_sequence_parallelism_equal_the_whole_row(tiny_llama):
-    result = torchrun(2, "tests.logprob_sp_check", [tiny_llama])
+    result = torchrun(2, "tests.checks.logprob_sp_check", [tiny_llama])
     assert result.stdout.count("ok") == 2

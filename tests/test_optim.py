@@ -5,12 +5,13 @@ import math
 import pytest
 import torch
 
-from fsdptrain.config.schema import SFTOptimConfig, sft_defaults, to_typed
+from fsdptrain.config.base import defaults, to_typed
+from fsdptrain.config.sft import SFTOptimConfig
 from fsdptrain.trainer.optim import build_optimizer, clipped_step, lr_factor
 
 
 def optim_config(**overrides) -> SFTOptimConfig:
-    base = sft_defaults().optim
+    base = defaults("sft_trainer").optim
     base.update(overrides)
     return to_typed(base, SFTOptimConfig)
 

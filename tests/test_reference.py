@@ -93,8 +93,8 @@ def test_one_process_equals_a_plain_torch_loop(tmp_path, tiny_llama, chat_data, 
 
 
 def test_bf16_weights_and_compute_train_on_cpu(tmp_path, tiny_llama, chat_data):
-    """README's example trains in bf16 (model_dtype and param_dtype); on CPU it runs, its loss falls, and the
-    export is bf16."""
+    """The SFT example (README, docs/sft.md) trains in bf16 (model_dtype and param_dtype); on CPU it runs, its loss
+    falls, and the export is bf16."""
     out = str(tmp_path)
     run_sft(2, tiny_llama, chat_data, out, model__fsdp_config__model_dtype="bf16",
             model__fsdp_config__mixed_precision__param_dtype="bf16", trainer__total_training_steps=6,

@@ -25,14 +25,14 @@ def vllm_model(tmp_path_factory, tokenizer) -> str:
 
 
 def test_the_engine_samples_from_the_weights_it_was_sent(vllm_model):
-    torchrun(2, "tests.vllm_check", [vllm_model])
+    torchrun(2, "tests.checks.vllm_check", [vllm_model])
 
 
 def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_model, rl_data):  # noqa: F811
     """Two steps on two ranks that share one engine split over them (tensor_model_parallel_size=2) with a large
     learning rate: the second step's rollouts come from the updated weights (the engine's log-probs are the
     trainer's old-policy ones to 1e-4), the run ends cleanly, and vLLM serves its Hugging Face export. (One engine
-    a rank, with the sync's checks, is tests/vllm_check.py.)"""
+    a rank, with the sync's checks, is tests/checks/vllm_check.py.)"""
     out = str(tmp_path)
     result = torchrun(2, "fsdptrain.grpo_trainer", grpo_args(vllm_model, rl_data, out, actor_rollout_ref__rollout__name="vllm",
                                                     actor_rollout_ref__rollout__gpu_memory_utilization=0.1,

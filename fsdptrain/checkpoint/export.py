@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from fsdptrain.checkpoint.hf_export import save_hf_folder
 from fsdptrain.checkpoint.manager import read_meta
-from fsdptrain.config.schema import DTYPES
+from fsdptrain.dtypes import DTYPES
 
 
 def export(step_dir: str, out: str, dtype: str) -> None:

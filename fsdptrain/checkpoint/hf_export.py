@@ -6,7 +6,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdptrain.config.schema import DTYPES
+from fsdptrain.dtypes import DTYPES
 
 # Config fields that must agree for a checkpoint's weights to fit a model.
 ARCHITECTURE_KEYS = (

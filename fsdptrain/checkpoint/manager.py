@@ -32,9 +32,11 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.checkpoint.hf_export import ARCHITECTURE_KEYS, save_hf_folder
-from fsdptrain.config.schema import DTYPES, ConfigError, TrainerConfig
+from fsdptrain.config.shared import TrainerConfig
 from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.dtypes import DTYPES
+from fsdptrain.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")

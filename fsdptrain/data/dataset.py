@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fsdptrain.config.schema import DataConfig
+from fsdptrain.config.sft import DataConfig
 from fsdptrain.data.chat import RowError, normalize_messages, tokenize_conversation, tokenize_prompt_response
 
 log = logging.getLogger("fsdptrain")

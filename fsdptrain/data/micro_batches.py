@@ -12,14 +12,14 @@ The targets keep the unshared layout (every sample's positions, in order) and `t
 to the row position whose hidden state predicts it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fsdptrain.config.schema import MicroBatching
+from fsdptrain.config.shared import MicroBatching
 from fsdptrain.data.batching import min_token_micro_batches, split_by_count, split_by_tokens
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
@@ -161,3 +161,12 @@ def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, para
               **{k: v.to(parallel.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in boundaries.items()}}
     token_rows = None if batch.token_rows is None else batch.token_rows.to(parallel.device, non_blocking=True)
     return MicroBatch(inputs, _to(targets, parallel.device), token_rows)
+
+
+def forward_batches(micro_batches: Sequence[list[Sample] | None], fallback: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel,
+                    share_prefixes: bool = False) -> Iterator[tuple[list[Sample] | None, MicroBatch]]:
+    """Each planned micro-batch with its collated batch. Where this rank has fewer micro-batches than another
+    (None), `fallback` is collated instead: FSDP needs the same forward passes on every rank, so the rank runs one
+    whose result the caller discards (it sees the None)."""
+    for micro_batch in micro_batches:
+        yield micro_batch, collate(micro_batch or fallback, packed, pad_token_id, parallel, share_prefixes)

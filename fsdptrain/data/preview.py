@@ -14,9 +14,11 @@ import sys
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from fsdptrain.config.schema import ConfigError, DataConfig, sft_defaults, to_typed, validate_data
+from fsdptrain.config.base import defaults, to_typed
+from fsdptrain.config.sft import DataConfig, validate_data
 from fsdptrain.data.chat import RowError
 from fsdptrain.data.dataset import read_data_columns, tokenize_row, truncate
+from fsdptrain.errors import ConfigError
 
 GREEN, RESET = "\033[42;30m", "\033[0m"
 
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = [o for o in args.overrides if not o.startswith("data.") or "=" not in o]
     if bad:
         parser.error(f"overrides must be data.KEY=VALUE, got {bad}")
-    data = OmegaConf.merge(sft_defaults().data, OmegaConf.from_dotlist([o[len("data.") :] for o in args.overrides]))
+    data = OmegaConf.merge(defaults("sft_trainer").data, OmegaConf.from_dotlist([o[len("data.") :] for o in args.overrides]))
     data.train_files = args.file
     try:
         config = to_typed(data, DataConfig)

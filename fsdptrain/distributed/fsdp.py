@@ -11,8 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdptrain.config.schema import DTYPES, FSDPConfig
+from fsdptrain.config.shared import FSDPConfig
 from fsdptrain.distributed.gloo_comms import exchange
+from fsdptrain.dtypes import DTYPES, compute_dtype
 
 
 def decoder_layers(model: nn.Module) -> list:
@@ -32,11 +33,10 @@ def embeddings_tied(model: nn.Module) -> bool:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: torch.device) -> None:
-    param_dtype = config.mixed_precision.param_dtype or ("bf16" if device.type == "cuda" else "fp32")
     kwargs = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[config.mixed_precision.reduce_dtype]
+            param_dtype=compute_dtype(config.mixed_precision.param_dtype, device), reduce_dtype=DTYPES[config.mixed_precision.reduce_dtype]
         ),
         "reshard_after_forward": config.reshard_after_forward,
     }

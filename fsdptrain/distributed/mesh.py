@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdptrain.config.schema import ConfigError
+from fsdptrain.errors import ConfigError
 
 
 @dataclass

@@ -24,9 +24,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fsdptrain.config.schema import DTYPES, ConfigError, FSDPConfig, ModelConfig
+from fsdptrain.config.shared import FSDPConfig, ModelConfig
 from fsdptrain.distributed.fsdp import apply_fsdp, embeddings_tied
 from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.dtypes import DTYPES
+from fsdptrain.errors import ConfigError
 from fsdptrain.models.attention import PACKED_ATTENTION
 
 

@@ -11,36 +11,42 @@ from collections.abc import Callable
 
 import torch
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("vanilla", "gspo")
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-
 
 # ---- advantages -----------------------------------------------------------------------------------------------
-def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Per-sequence advantages from per-sequence scores (B,) and group ids (B,) (sequences of one prompt).
+# Each group estimator maps one prompt's scores (n,) to its responses' advantages; a one-sample group has mean 0
+# (and, for grpo, std 1).
+def grpo_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """(s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean."""
+    n = len(scores)
+    mean = scores.mean() if n > 1 else torch.zeros((), dtype=scores.dtype)
+    std = scores.std() if n > 1 else torch.ones((), dtype=scores.dtype)
+    return (scores - mean) / (std + eps) if norm_by_std else scores - mean
 
-    grpo: (s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean; a one-sample group has mean 0
-    and std 1. rloo: n / (n - 1) (s - mean), the leave-one-out baseline. reinforce_plus_plus_baseline: s - mean
-    (the batch whitening follows in the caller, over every rank's sequences)."""
+
+def rloo_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """n / (n - 1) (s - mean): the leave-one-out baseline."""
+    n = len(scores)
+    return (scores - scores.mean()) * n / (n - 1) if n > 1 else torch.zeros_like(scores)
+
+
+def baseline_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """s - mean (REINFORCE++ with a group baseline; the batch whitening follows in the caller, over every rank)."""
+    mean = scores.mean() if len(scores) > 1 else torch.zeros((), dtype=scores.dtype)
+    return scores - mean
+
+
+GROUP_ADVANTAGE: dict[str, Callable[[torch.Tensor, bool, float], torch.Tensor]] = {
+    "grpo": grpo_advantages, "rloo": rloo_advantages, "reinforce_plus_plus_baseline": baseline_advantages,
+}
+
+
+def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Per-sequence advantages from per-sequence scores (B,) and group ids (B,) (sequences of one prompt), by the
+    group estimator `estimator` of GROUP_ADVANTAGE."""
     advantages = torch.empty_like(scores)
     for group in groups.unique():
         members = groups == group
-        group_scores = scores[members]
-        n = len(group_scores)
-        mean = group_scores.mean() if n > 1 else torch.zeros((), dtype=scores.dtype)
-        if estimator == "grpo":
-            std = group_scores.std() if n > 1 else torch.ones((), dtype=scores.dtype)
-            advantages[members] = (group_scores - mean) / (std + eps) if norm_by_std else group_scores - mean
-        elif estimator == "rloo":
-            advantages[members] = (group_scores - mean) * n / (n - 1) if n > 1 else torch.zeros_like(group_scores)
-        elif estimator == "reinforce_plus_plus_baseline":
-            advantages[members] = group_scores - mean
-        else:
-            raise ValueError(f"{estimator} is not a group estimator")
+        advantages[members] = GROUP_ADVANTAGE[estimator](scores[members], norm_by_std, eps)
     return advantages
 
 
@@ -52,6 +58,13 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
         running = token_rewards[t] + gamma * running * mask[t]
         returns[t] = running
     return returns * mask
+
+
+# Each token estimator maps one response's per-token rewards and mask to its per-token advantages.
+TOKEN_ADVANTAGE: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {"reinforce_plus_plus": discounted_returns}
+ADVANTAGE_ESTIMATORS = (*GROUP_ADVANTAGE, *TOKEN_ADVANTAGE)
+GROUP_ESTIMATORS = tuple(GROUP_ADVANTAGE)
+WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # whitened over the whole batch's tokens
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, total: float, total_squares: float, count: float, eps: float = 1e-8) -> torch.Tensor:
@@ -79,16 +92,17 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequence_tokens: torch.Tens
     over global sequences. seq-mean-token-mean: per-sequence token means, averaged likewise.
     seq-mean-token-sum-norm: token sums / (loss_scale_factor or max_response_length), averaged over sequences
     (Dr. GRPO)."""
-    masked = loss * mask
-    if mode == "token-mean":
-        return masked.sum() / max(global_tokens, 1.0)
-    if mode == "seq-mean-token-sum":
-        return masked.sum() / max(global_sequences, 1.0)
-    if mode == "seq-mean-token-mean":
-        return (masked / sequence_tokens.clamp(min=1)).sum() / max(global_sequences, 1.0)
-    if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / (loss_scale_factor or max_response_length) / max(global_sequences, 1.0)
-    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    return LOSS_AGG[mode](loss * mask, sequence_tokens, global_tokens, global_sequences, loss_scale_factor or max_response_length)
+
+
+# Each mode: (masked per-token loss, sequence_tokens, global tokens, global sequences, Dr. GRPO's norm) -> scalar.
+LOSS_AGG: dict[str, Callable[[torch.Tensor, torch.Tensor, float, float, float], torch.Tensor]] = {
+    "token-mean": lambda masked, sequence_tokens, tokens, sequences, norm: masked.sum() / max(tokens, 1.0),
+    "seq-mean-token-sum": lambda masked, sequence_tokens, tokens, sequences, norm: masked.sum() / max(sequences, 1.0),
+    "seq-mean-token-mean": lambda masked, sequence_tokens, tokens, sequences, norm: (masked / sequence_tokens.clamp(min=1)).sum() / max(sequences, 1.0),
+    "seq-mean-token-sum-norm": lambda masked, sequence_tokens, tokens, sequences, norm: masked.sum() / norm / max(sequences, 1.0),
+}
+LOSS_AGG_MODES = tuple(LOSS_AGG)
 
 
 # ---- policy losses ------------------------------------------------------------------------------------------------
@@ -116,6 +130,7 @@ def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ra
 
 
 POLICY_LOSS: dict[str, Callable] = {"vanilla": vanilla_policy_loss, "gspo": gspo_policy_loss}
+POLICY_LOSSES = tuple(POLICY_LOSS)
 
 
 # ---- rollout correction -------------------------------------------------------------------------------------------
@@ -141,17 +156,21 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         value = kl_penalty(log_probs, ref_log_probs, estimator[:-1])
         gradient = kl_penalty(log_probs, ref_log_probs, "k2")
         return gradient + (value - gradient).detach()
-    difference = log_probs - ref_log_probs
-    if estimator in ("kl", "k1"):
-        return difference
-    if estimator == "abs":
-        return difference.abs()
-    if estimator in ("mse", "k2"):
-        return 0.5 * difference.square()
-    if estimator in ("low_var_kl", "k3"):
-        reverse = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
-        return (torch.exp(reverse) - reverse - 1).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+    return KL_PENALTY[estimator](log_probs, ref_log_probs)
+
+
+def _low_var_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    reverse = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
+    return (torch.exp(reverse) - reverse - 1).clamp(-10.0, 10.0)
+
+
+KL_PENALTY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "kl": lambda log_probs, ref: log_probs - ref, "k1": lambda log_probs, ref: log_probs - ref,
+    "abs": lambda log_probs, ref: (log_probs - ref).abs(),
+    "mse": lambda log_probs, ref: 0.5 * (log_probs - ref).square(), "k2": lambda log_probs, ref: 0.5 * (log_probs - ref).square(),
+    "low_var_kl": _low_var_kl, "k3": _low_var_kl,
+}
+KL_ESTIMATORS = tuple(KL_PENALTY)  # each may take a `+` suffix
 
 
 # ---- the KL coefficient of the reward ---------------------------------------------------------------------------

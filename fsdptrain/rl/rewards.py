@@ -10,11 +10,13 @@ import math
 import os
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.rl.data import Prompt
+from fsdptrain.rl.rollout.base import Generation
 
 RewardFn = Callable[[str, str, Any, dict | None], float | dict]
 
@@ -155,3 +157,33 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_leng
     to -penalty_factor at max_response_length."""
     exceed = response_length - (max_response_length - buffer_length)
     return min(-exceed / buffer_length * penalty_factor, 0.0)
+
+
+@dataclass(frozen=True)
+class OverlongBuffer:
+    """DAPO's overlong penalty settings (reward_model.overlong_buffer)."""
+
+    max_response_length: int
+    length: int
+    penalty_factor: float
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A rollout's scores: the reward function on each response, and `seq_reward`, what the step trains on, which
+    adds DAPO's overlong penalty to `score` where `overlong` is set."""
+
+    reward_fn: RewardFn
+    tokenizer: PreTrainedTokenizerBase
+    n: int  # responses per prompt
+    overlong: OverlongBuffer | None
+
+    def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], where: str) -> list[dict]:
+        scores = score_responses(self.reward_fn, self.tokenizer, prompts, [g.response_ids for g in generations], self.n, f"{where}, this rank's ")
+        for scored in scores:
+            scored["seq_reward"] = scored["score"]
+            if self.overlong is not None:
+                scored["overlong_penalty"] = overlong_penalty(scored["response_length"], self.overlong.max_response_length, self.overlong.length,
+                                                              self.overlong.penalty_factor)
+                scored["seq_reward"] += scored["overlong_penalty"]
+        return scores

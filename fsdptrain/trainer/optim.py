@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from fsdptrain.config.schema import OptimConfig
+from fsdptrain.config.shared import OptimConfig
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:

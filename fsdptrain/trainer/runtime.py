@@ -11,7 +11,7 @@ import torch
 import transformers
 from torch import nn
 
-from fsdptrain.config.schema import CpuSpeedupsConfig
+from fsdptrain.config.shared import CpuSpeedupsConfig
 from fsdptrain.distributed.gloo_comms import use_gloo_comms
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.models.loading import tied_embedding_grad_in_place

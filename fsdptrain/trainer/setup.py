@@ -1,9 +1,12 @@
-"""What every trainer sets up the same way: the process group, the trained model with its optimizer and schedule,
-frozen models, the checkpoint manager, the logger and the progress bar. Each trainer calls these with the
-sections of its own config."""
+"""What every trainer sets up and runs the same way: the process group, the trained model with its optimizer and
+schedule, frozen models, the checkpoint manager, the logger and the progress bar; the number of steps, the timing
+of a step's phases, and what happens at the end of a step (log, bar, checkpoint at trainer.save_freq). Each
+trainer calls these with the sections of its own config."""
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -13,8 +16,9 @@ from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdptrain.checkpoint.manager import CheckpointManager, Stateful
-from fsdptrain.config.schema import FSDPConfig, ModelConfig, OptimConfig, TrainerConfig
+from fsdptrain.config.shared import FSDPConfig, ModelConfig, OptimConfig, TrainerConfig
 from fsdptrain.distributed.mesh import Parallel, init_parallel
+from fsdptrain.errors import ConfigError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
 from fsdptrain.models.loading import build_model
 from fsdptrain.trainer.optim import build_optimizer, build_scheduler
@@ -27,6 +31,14 @@ def start_run(trainer: TrainerConfig, sp_size: int) -> Parallel:
     quiet_non_main(parallel)
     seed_everything(trainer.seed)
     return parallel
+
+
+def count_steps(trainer: TrainerConfig, dataset_size: int, batch_size: int, what: str) -> int:
+    """trainer.total_training_steps, or total_epochs of whole batches of the `dataset_size` training `what`."""
+    steps_per_epoch = dataset_size // batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(f"data.train_batch_size ({batch_size}) exceeds the {dataset_size} training {what}")
+    return trainer.total_training_steps or trainer.total_epochs * steps_per_epoch
 
 
 def build_sharded_model(
@@ -57,7 +69,22 @@ class Run:
     checkpoints: CheckpointManager
     logger: MetricLogger
     bar: tqdm
+    trainer: TrainerConfig
+    total_steps: int
     step: int  # the last completed step: 0, or the resumed checkpoint's
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether something done every `every` steps (-1: never; always at the last step) is done at `step`."""
+        return step == self.total_steps or (every > 0 and step % every == 0)
+
+    def end_step(self, step: int, metrics: dict[str, float], **postfix: str) -> None:
+        """Log the step's metrics, move the progress bar (showing `postfix`), and save at trainer.save_freq."""
+        self.logger.log(metrics, step)
+        if postfix:
+            self.bar.set_postfix(**postfix)
+        self.bar.update(1)
+        if self.due(step, self.trainer.save_freq):
+            self.checkpoints.save(step)
 
     def finish(self, shutdown: Callable[[], None] | None = None) -> None:
         """Close the bar and loggers; `shutdown` (a rollout engine's) runs after the last collective, and may
@@ -100,4 +127,22 @@ def open_run(
         parallel.is_main, resume_step=step,
     )
     trained.train()
-    return Run(parallel, trained, optimizer, scheduler, checkpoints, logger, progress_bar(total_steps, step, parallel.is_main), step)
+    bar = progress_bar(total_steps, step, parallel.is_main)
+    return Run(parallel, trained, optimizer, scheduler, checkpoints, logger, bar, trainer, total_steps, step)
+
+
+@dataclass
+class StepTimer:
+    """Seconds of a step's named phases (`with timer("gen"): ...`), and of the whole step so far."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    start: float = field(default_factory=time.perf_counter)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        tick = time.perf_counter()
+        yield
+        self.seconds[phase] = time.perf_counter() - tick
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

@@ -7,10 +7,11 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from fsdptrain.config.schema import ConfigError, SFTConfig, check_batch_layout
+from fsdptrain.config.sft import SFTConfig
+from fsdptrain.config.shared import check_batch_layout
 from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, load_sft_samples
-from fsdptrain.data.micro_batches import collate, loss_tokens, plan_micro_batches
+from fsdptrain.data.micro_batches import collate, forward_batches, loss_tokens, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks, once_per_sp_group
 from fsdptrain.logging.profiler import profile_step
@@ -18,7 +19,7 @@ from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.trainer.optim import clipped_step
 from fsdptrain.trainer.runtime import peak_memory_gb
-from fsdptrain.trainer.setup import open_run, start_run
+from fsdptrain.trainer.setup import count_steps, open_run, start_run
 
 
 def train_step(
@@ -59,9 +60,8 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
     model.eval()
     mine = list(samples[parallel.dp_rank :: parallel.dp_size])
     nll_total, tokens_total = 0.0, 0
-    for micro_batch in plan_micro_batches(mine, config.micro_batching, parallel):
-        # A rank with fewer micro-batches still runs a forward (FSDP needs every rank), on a sample it discards.
-        batch = collate(micro_batch or samples[:1], config.use_remove_padding, pad_token_id, parallel)
+    micro_batches = plan_micro_batches(mine, config.micro_batching, parallel)
+    for micro_batch, batch in forward_batches(micro_batches, samples[:1], config.use_remove_padding, pad_token_id, parallel):
         nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], config.model.chunked_loss_tokens, parallel.ulysses_group)
         if micro_batch is not None:
             nll_total += float(nll)
@@ -79,12 +79,8 @@ def run_sft(config: SFTConfig) -> None:
     tokenizer = load_tokenizer(path, "model.partial_pretrain", config.model)
     train = load_sft_samples(config.data.train_files, tokenizer, config.data)
     val = load_sft_samples(config.data.val_files, tokenizer, config.data) if config.data.val_files else []
+    total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "samples")
     steps_per_epoch = len(train) // config.data.train_batch_size
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"data.train_batch_size ({config.data.train_batch_size}) exceeds the {len(train)} training samples"
-        )
-    total_steps = config.trainer.total_training_steps or config.trainer.total_epochs * steps_per_epoch
 
     run = open_run(
         parallel, config.trainer, path, config.model, config.model.fsdp_config, config.optim, hf_config, tokenizer,
@@ -116,11 +112,7 @@ def run_sft(config: SFTConfig) -> None:
             "perf/tokens_per_sec": seen / elapsed,
             "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
         }
-        last = step == total_steps
-        if val and (last or (config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
+        if val and run.due(step, config.trainer.test_freq):
             metrics["val/loss"] = validate(model, val, config, parallel, tokenizer.pad_token_id)
-        run.logger.log(metrics, step)
-        run.bar.update(1)
-        if last or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0):
-            run.checkpoints.save(step)
+        run.end_step(step, metrics)
     run.finish()

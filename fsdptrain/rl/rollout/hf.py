@@ -1,27 +1,13 @@
 """Rollouts with transformers' `generate`, on every rank, from a plain (unsharded) copy of the policy that the
-trainer refreshes after each update. Runs wherever transformers runs. Every rollout engine (this one, vllm.py)
-answers the same calls: generate, update_weights, sleep, wake_up, shutdown, and has a `dtype`."""
+trainer refreshes after each update. Runs wherever transformers runs."""
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    response_ids: list[int]  # through the first end-of-turn token, or max_new_tokens of them
-    response_mask: list[int]  # 1 on tokens the policy produced (a multi-turn rollout gives tool output 0)
-    log_probs: list[float] | None  # with calculate_log_probs, the sampling log-probs: after temperature, top-k and top-p
-    truncated: bool  # stopped by max_new_tokens before an end token
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """response_mask as float weights for per-token sums over the response."""
-        return torch.tensor(self.response_mask, dtype=torch.float32)
+from fsdptrain.rl.rollout.base import Generation
 
 
 def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
@@ -69,12 +55,13 @@ class HFRollout:
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
         self.end_ids = end_token_ids(self.model, pad_id)
 
-    def generate(self, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, **sampling) -> list[Generation]:
-        return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, **sampling)
+    def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
+        return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
+                        calculate_log_probs)
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each (name, full tensor) into the engine's model as it arrives; names are the model's own."""
         parameters = dict(self.model.named_parameters())
         for name, tensor in weights:
             parameters[name].copy_(tensor)

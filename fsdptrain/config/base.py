@@ -1,0 +1,49 @@
+"""How a Hydra config becomes a typed, validated dataclass: the merge that names a bad key, and the small checks
+every section's validation is written with.
+
+Defaults live in the YAML files beside this one; the dataclasses of `shared.py`, `sft.py` and `grpo.py` only fix
+names and types, so a key missing from the YAML, an unknown key or a value of the wrong type fails with its full
+dotted name.
+"""
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdptrain.errors import ConfigError
+
+
+def defaults(name: str) -> DictConfig:
+    """The defaults of `{name}.yaml`, for building a config (or one of its sections) outside Hydra."""
+    return OmegaConf.load(os.path.join(os.path.dirname(__file__), f"{name}.yaml"))
+
+
+def to_typed(cfg: DictConfig, schema: type) -> Any:
+    """Merge a Hydra config onto `schema` and return the dataclass instance; errors name the key."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        raise ConfigError(f"{key}: {getattr(e, 'msg', str(e)).splitlines()[0]}") from None
+
+
+def one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {'|'.join(map(str, allowed))}, got {value!r}")
+
+
+def positive(key: str, value: float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value!r}")
+
+
+def as_path_list(key: str, value: Any) -> list[str]:
+    paths = [value] if isinstance(value, str) else list(value or [])
+    if not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError(f"{key} must be a path or a list of paths, got {value!r}")
+    return paths

@@ -1,0 +1,368 @@
+"""The GRPO trainer's config (verl's ppo_trainer.yaml names): each section followed by its validation, then the
+checks that span sections, and those that need the number of ranks.
+
+Allowed names come from the dispatch tables they select from (core_algos, the rollout engines, dynamic sampling's
+filter keys), so a new estimator, loss or engine is allowed where it is defined.
+"""
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from fsdptrain.config.base import one_of, positive, to_typed
+from fsdptrain.config.shared import (
+    FSDPConfig,
+    MicroBatching,
+    ModelConfig,
+    OptimConfig,
+    TrainerConfig,
+    validate_data_files,
+    validate_fsdp,
+    validate_micro_batching,
+    validate_model,
+    validate_optim,
+    validate_sequence_parallel,
+    validate_trainer,
+)
+from fsdptrain.errors import ConfigError
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.rl.rollout import ENGINES
+from fsdptrain.rl.sampling import FILTER_KEYS
+
+ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+
+@dataclass
+class RLDataConfig:
+    train_files: Any
+    val_files: Any
+    max_prompt_length: int
+    max_response_length: int
+    train_batch_size: int
+    filter_overlong_prompts: bool
+    truncation: str
+    shuffle: bool
+    apply_chat_template_kwargs: dict[str, Any]
+
+
+@dataclass
+class RLModelConfig(ModelConfig):
+    path: str
+    use_remove_padding: bool
+    share_prompts: bool
+
+
+def validate_rl_model(model: RLModelConfig) -> None:
+    if not model.path:
+        raise ConfigError("actor_rollout_ref.model.path is required: a local Hugging Face model folder")
+    validate_model(model, "actor_rollout_ref.model")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig
+    grad_clip: float
+    ppo_mini_batch_size: int
+    ppo_micro_batch_size_per_gpu: int
+    use_dynamic_bsz: bool | None
+    ppo_max_token_len_per_gpu: int | None
+    ppo_epochs: int
+    shuffle: bool
+    clip_ratio: float
+    clip_ratio_low: float | None
+    clip_ratio_high: float | None
+    clip_ratio_c: float
+    policy_loss: PolicyLossConfig
+    loss_agg_mode: str
+    loss_scale_factor: float | None
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    ulysses_sequence_parallel_size: int
+    fsdp_config: FSDPConfig
+    mask_truncated_completions: bool
+
+
+def validate_actor(actor: ActorConfig, packed: bool) -> None:
+    validate_fsdp(actor.fsdp_config, f"{ACTOR}.fsdp_config")
+    validate_optim(actor.optim, f"{ACTOR}.optim")
+    for key in ("grad_clip", "ppo_mini_batch_size", "ppo_epochs", "clip_ratio"):
+        positive(f"{ACTOR}.{key}", getattr(actor, key))
+    if actor.clip_ratio_c <= 1:
+        raise ConfigError(f"{ACTOR}.clip_ratio_c must be > 1 (dual clip bounds -A * c), got {actor.clip_ratio_c}")
+    one_of(f"{ACTOR}.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES)
+    one_of(f"{ACTOR}.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    one_of(f"{ACTOR}.kl_loss_type", actor.kl_loss_type.rstrip("+"), KL_ESTIMATORS)
+    validate_sequence_parallel(actor.ulysses_sequence_parallel_size, packed, f"{ACTOR}.ulysses_sequence_parallel_size",
+                               "actor_rollout_ref.model.use_remove_padding")
+    if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
+        warnings.warn(f"GSPO is defined with loss_agg_mode=seq-mean-token-mean; got {actor.loss_agg_mode}", stacklevel=3)
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int
+    temperature: float
+    do_sample: bool
+
+
+@dataclass
+class RolloutConfig:
+    name: str
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    do_sample: bool
+    calculate_log_probs: bool
+    log_prob_micro_batch_size_per_gpu: int
+    val_kwargs: ValKwargsConfig
+    update_weights_bucket_megabytes: int
+    tensor_model_parallel_size: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    enforce_eager: bool
+    free_cache_engine: bool
+    load_format: str
+
+
+def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
+    one_of(f"{ROLLOUT}.name", rollout.name, tuple(ENGINES))
+    if rollout.name == "vllm":
+        positive(f"{ROLLOUT}.tensor_model_parallel_size", rollout.tensor_model_parallel_size)
+        if rollout.tensor_model_parallel_size > 1 and sp_size > 1:
+            raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size > 1 with actor.ulysses_sequence_parallel_size > 1 is "
+                              "not supported: both split the ranks' prompts")
+        if not 0 < rollout.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{ROLLOUT}.gpu_memory_utilization must be in (0, 1], got {rollout.gpu_memory_utilization}")
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            positive(f"{ROLLOUT}.{key}", getattr(rollout, key))
+        one_of(f"{ROLLOUT}.load_format", rollout.load_format, ("dummy", "auto", "safetensors"))
+    elif rollout.tensor_model_parallel_size != 1:
+        raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size={rollout.tensor_model_parallel_size} needs "
+                          f"{ROLLOUT}.name=vllm (the hf engine runs a whole model on every rank)")
+    positive(f"{ROLLOUT}.n", rollout.n)
+    positive(f"{ROLLOUT}.temperature", rollout.temperature)
+    if rollout.update_weights_bucket_megabytes < 0:
+        raise ConfigError(f"{ROLLOUT}.update_weights_bucket_megabytes must be >= 0, got {rollout.update_weights_bucket_megabytes}")
+    positive(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
+
+
+@dataclass
+class RefFSDPConfig:
+    param_offload: bool
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int
+    fsdp_config: RefFSDPConfig
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: RLModelConfig
+    actor: ActorConfig
+    rollout: RolloutConfig
+    ref: RefConfig
+
+
+@dataclass
+class KLControlConfig:
+    type: str
+    kl_coef: float
+    target_kl: float
+    horizon: int
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool
+    metric: str
+    max_num_gen_batches: int
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None
+    rollout_is_threshold: float
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str
+    norm_adv_by_std_in_grpo: bool
+    gamma: float
+    use_kl_in_reward: bool
+    kl_penalty: str
+    kl_ctrl: KLControlConfig
+    filter_groups: FilterGroupsConfig
+    rollout_correction: RolloutCorrectionConfig
+
+
+def validate_algorithm(algorithm: AlgorithmConfig, rollout: RolloutConfig, use_kl_loss: bool) -> None:
+    one_of("algorithm.adv_estimator", algorithm.adv_estimator, ADVANTAGE_ESTIMATORS)
+    if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} compares responses of one prompt: "
+                          f"{ROLLOUT}.n must be >= 2, got {rollout.n}")
+    if algorithm.use_kl_in_reward:
+        one_of("algorithm.kl_penalty", algorithm.kl_penalty.rstrip("+"), KL_ESTIMATORS)
+        one_of("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ("fixed", "adaptive"))
+        if algorithm.kl_ctrl.type == "adaptive":
+            positive("algorithm.kl_ctrl.horizon", algorithm.kl_ctrl.horizon)
+            positive("algorithm.kl_ctrl.target_kl", algorithm.kl_ctrl.target_kl)
+        if use_kl_loss:
+            warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
+                          "reference: it is counted twice", stacklevel=3)
+    filter_groups = algorithm.filter_groups
+    if filter_groups.enable:
+        one_of("algorithm.filter_groups.metric", filter_groups.metric, tuple(FILTER_KEYS))
+        positive("algorithm.filter_groups.max_num_gen_batches", filter_groups.max_num_gen_batches)
+        if filter_groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
+            raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: groups are "
+                              "filtered before the log-probs that the reward's KL penalty needs; use seq_reward")
+    correction = algorithm.rollout_correction
+    one_of("algorithm.rollout_correction.rollout_is", correction.rollout_is, (None, "token", "sequence"))
+    if correction.rollout_is is not None:
+        positive("algorithm.rollout_correction.rollout_is_threshold", correction.rollout_is_threshold)
+        if rollout.top_p < 1 or rollout.top_k > 0:
+            warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
+                          "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
+                          stacklevel=3)
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None
+    name: str | None
+
+
+@dataclass
+class RewardConfig:
+    custom_reward_function: CustomRewardConfig
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool
+    len: int
+    penalty_factor: float
+
+
+@dataclass
+class RewardModelConfig:
+    overlong_buffer: OverlongBufferConfig
+
+
+def resolve_reward_function(legacy: CustomRewardConfig, newer: CustomRewardConfig) -> CustomRewardConfig:
+    """The custom reward function from custom_reward_function.* or newer verl's reward.custom_reward_function.*."""
+    if newer.path is None:
+        if newer.name is not None:
+            raise ConfigError("reward.custom_reward_function.name is set without reward.custom_reward_function.path")
+        return legacy
+    if legacy.path is not None and legacy.path != newer.path:
+        raise ConfigError(f"custom_reward_function.path ({legacy.path}) and reward.custom_reward_function.path ({newer.path}) "
+                          "disagree: set one of them")
+    return CustomRewardConfig(newer.path, newer.name or legacy.name)
+
+
+def validate_reward_model(reward_model: RewardModelConfig, max_response_length: int) -> None:
+    overlong = reward_model.overlong_buffer
+    if overlong.enable and not 0 < overlong.len <= max_response_length:
+        raise ConfigError(f"reward_model.overlong_buffer.len must be in (0, data.max_response_length={max_response_length}], "
+                          f"got {overlong.len}")
+
+
+@dataclass
+class GRPOTrainerConfig(TrainerConfig):
+    val_before_train: bool
+    rollout_data_dir: str | None
+    plot_freq: int
+
+
+def validate_grpo_trainer(trainer: GRPOTrainerConfig) -> None:
+    validate_trainer(trainer)
+    if trainer.plot_freq == 0 or trainer.plot_freq < -1:
+        raise ConfigError(f"trainer.plot_freq must be -1 (at the end only) or > 0, got {trainer.plot_freq}")
+
+
+@dataclass
+class GRPOConfig:
+    data: RLDataConfig
+    actor_rollout_ref: ActorRolloutRefConfig
+    algorithm: AlgorithmConfig
+    custom_reward_function: CustomRewardConfig
+    reward: RewardConfig
+    reward_model: RewardModelConfig
+    trainer: GRPOTrainerConfig
+
+    @property
+    def sequence_length(self) -> int:
+        return self.data.max_prompt_length + self.data.max_response_length
+
+    def micro_batching(self, size: int, size_key: str) -> MicroBatching:
+        """Forward passes of `size` sequences, or (use_dynamic_bsz=null, packed rows) a token budget worth `size`
+        sequences of the longest length: every RL loss here divides by the mini-batch's global counts, so the cut
+        never changes it."""
+        actor = self.actor_rollout_ref.actor
+        dynamic, max_tokens = actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+        if dynamic is None:
+            dynamic = self.actor_rollout_ref.model.use_remove_padding
+            if dynamic and max_tokens is None:
+                max_tokens = size * self.sequence_length
+        return MicroBatching(size, dynamic, max_tokens, size_key, f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_gpu")
+
+    @property
+    def update_batching(self) -> MicroBatching:
+        return self.micro_batching(self.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+
+
+def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
+    """Type-check and validate a GRPO config, section by section; every error names its key and its numbers."""
+    config: GRPOConfig = to_typed(cfg, GRPOConfig)
+    data, model = config.data, config.actor_rollout_ref.model
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    validate_data_files(data, ("max_prompt_length", "max_response_length", "train_batch_size"))
+    validate_rl_model(model)
+    validate_actor(actor, model.use_remove_padding)
+    validate_grpo_trainer(config.trainer)
+    validate_micro_batching(config.update_batching, config.sequence_length, "data.max_prompt_length + data.max_response_length")
+    validate_rollout(rollout, actor.ulysses_sequence_parallel_size)
+    positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+    validate_algorithm(config.algorithm, rollout, actor.use_kl_loss)
+    validate_reward_model(config.reward_model, data.max_response_length)
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
+                          f"{ACTOR}.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
+    config.custom_reward_function = resolve_reward_function(config.custom_reward_function, config.reward.custom_reward_function)
+    return config
+
+
+def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int) -> None:
+    """Sizes that depend on the number of ranks, checked once the world is known."""
+    data, actor, n = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
+    tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world_size}): "
+                          "each engine spans that many consecutive ranks")
+    if data.train_batch_size % dp_size:
+        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
+                          "each rank generates for whole prompts")
+    if actor.ppo_mini_batch_size % dp_size:
+        raise ConfigError(f"{ACTOR}.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) must be divisible by the "
+                          f"data-parallel size ({dp_size})")
+    per_rank = actor.ppo_mini_batch_size // dp_size * n
+    batching = config.update_batching
+    if not batching.dynamic and per_rank % actor.ppo_micro_batch_size_per_gpu:
+        raise ConfigError(f"ppo_mini_batch_size / dp * n = {per_rank} sequences per rank must be divisible by "
+                          f"{ACTOR}.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu})")

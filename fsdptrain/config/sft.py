@@ -1,0 +1,115 @@
+"""The SFT trainer's config (verl's sft_trainer.yaml names) and its validation."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from fsdptrain.config.base import positive, to_typed
+from fsdptrain.config.shared import (
+    FSDPConfig,
+    MicroBatching,
+    ModelConfig,
+    OptimConfig,
+    TrainerConfig,
+    validate_data_files,
+    validate_fsdp,
+    validate_micro_batching,
+    validate_model,
+    validate_optim,
+    validate_sequence_parallel,
+    validate_trainer,
+)
+from fsdptrain.errors import ConfigError
+
+
+@dataclass
+class MultiturnConfig:
+    enable: bool
+    messages_key: str
+    tools_key: str
+    split_turns: bool
+
+
+@dataclass
+class DataConfig:
+    train_files: Any  # a path or a list of paths
+    val_files: Any
+    prompt_key: str
+    response_key: str
+    multiturn: MultiturnConfig
+    max_length: int
+    truncation: str
+    train_batch_size: int
+    micro_batch_size_per_gpu: int
+    balance_dp_token: bool
+    use_dynamic_bsz: bool | None
+    max_token_len_per_gpu: int | None
+    shuffle: bool
+    apply_chat_template_kwargs: dict[str, Any]
+    skip_bad_rows: bool
+
+
+def validate_data(data: DataConfig) -> None:
+    validate_data_files(data, ("max_length", "train_batch_size"))
+
+
+@dataclass
+class SFTModelConfig(ModelConfig):
+    partial_pretrain: str
+    strategy: str
+    fsdp_config: FSDPConfig
+
+
+def validate_sft_model(model: SFTModelConfig) -> None:
+    if not model.partial_pretrain:
+        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder")
+    if model.strategy != "fsdp2":
+        raise ConfigError(f"model.strategy must be fsdp2 (the only strategy fsdptrain implements), got {model.strategy!r}")
+    validate_model(model, "model")
+    validate_fsdp(model.fsdp_config, "model.fsdp_config")
+
+
+@dataclass
+class SFTOptimConfig(OptimConfig):
+    clip_grad: float
+
+
+@dataclass
+class SFTConfig:
+    data: DataConfig
+    model: SFTModelConfig
+    optim: SFTOptimConfig
+    trainer: TrainerConfig
+    use_remove_padding: bool
+    ulysses_sequence_parallel_size: int
+
+    @property
+    def micro_batching(self) -> MicroBatching:
+        """data.use_dynamic_bsz=null: a token budget of micro_batch_size_per_gpu x max_length (no micro-batch holds
+        more tokens than the count-based one could) where the cut cannot change the loss, else a sample count."""
+        data = self.data
+        dynamic, max_tokens = data.use_dynamic_bsz, data.max_token_len_per_gpu
+        if dynamic is None:
+            dynamic = self.use_remove_padding and data.balance_dp_token
+            if dynamic and max_tokens is None:
+                max_tokens = data.micro_batch_size_per_gpu * data.max_length
+        return MicroBatching(
+            data.micro_batch_size_per_gpu, dynamic, max_tokens,
+            "data.micro_batch_size_per_gpu", "data.use_dynamic_bsz", "data.max_token_len_per_gpu",
+        )
+
+
+def load_sft_config(cfg: DictConfig) -> SFTConfig:
+    """Type-check and validate an SFT config; every error names its key."""
+    config: SFTConfig = to_typed(cfg, SFTConfig)
+    validate_data(config.data)
+    validate_micro_batching(config.micro_batching, config.data.max_length, "data.max_length")
+    validate_sft_model(config.model)
+    validate_optim(config.optim, "optim")
+    positive("optim.clip_grad", config.optim.clip_grad)
+    validate_trainer(config.trainer)
+    validate_sequence_parallel(
+        config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size", "use_remove_padding"
+    )
+    return config

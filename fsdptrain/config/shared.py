@@ -1,0 +1,193 @@
+"""The config sections both trainers share (SFT keeps them at the top level, GRPO under actor_rollout_ref.*), each
+followed by its validation, which takes the section's key prefix so that an error names the user's key."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from fsdptrain.config.base import as_path_list, one_of, positive
+from fsdptrain.dtypes import DTYPES
+from fsdptrain.errors import ConfigError
+
+DTYPE_NAMES = tuple(DTYPES)
+TRUNCATIONS = ("error", "left", "right")
+
+
+@dataclass
+class MixedPrecisionConfig:
+    param_dtype: str | None
+    reduce_dtype: str
+
+
+@dataclass
+class FSDPConfig:
+    model_dtype: str
+    mixed_precision: MixedPrecisionConfig
+    cpu_offload: bool
+    reshard_after_forward: bool
+
+
+def validate_fsdp(fsdp: FSDPConfig, prefix: str) -> None:
+    one_of(f"{prefix}.model_dtype", fsdp.model_dtype, DTYPE_NAMES)
+    one_of(f"{prefix}.mixed_precision.param_dtype", fsdp.mixed_precision.param_dtype, DTYPE_NAMES + (None,))
+    one_of(f"{prefix}.mixed_precision.reduce_dtype", fsdp.mixed_precision.reduce_dtype, DTYPE_NAMES)
+
+
+@dataclass
+class ModelConfig:
+    """How a model is built and its loss computed; the path and the FSDP section sit where each trainer keeps them."""
+
+    trust_remote_code: bool
+    enable_gradient_checkpointing: bool
+    attn_implementation: str
+    chunked_loss_tokens: int
+
+
+def validate_model(model: ModelConfig, prefix: str) -> None:
+    one_of(f"{prefix}.attn_implementation", model.attn_implementation, ("auto", "sdpa", "eager", "flash_attention_2"))
+    if model.chunked_loss_tokens < 0:
+        raise ConfigError(f"{prefix}.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float
+    betas: list[float]
+    weight_decay: float
+    lr_warmup_steps_ratio: float
+    lr_warmup_steps: int | None
+    lr_scheduler: str
+    min_lr_ratio: float
+    wsd_decay_ratio: float
+
+
+def validate_optim(optim: OptimConfig, prefix: str) -> None:
+    positive(f"{prefix}.lr", optim.lr)
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1), got {optim.betas!r}")
+    if optim.weight_decay < 0:
+        raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay!r}")
+    if not 0 <= optim.lr_warmup_steps_ratio <= 1:
+        raise ConfigError(f"{prefix}.lr_warmup_steps_ratio must be in [0, 1], got {optim.lr_warmup_steps_ratio!r}")
+    if optim.lr_warmup_steps is not None and optim.lr_warmup_steps < 0:
+        raise ConfigError(f"{prefix}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps!r}")
+    one_of(f"{prefix}.lr_scheduler", optim.lr_scheduler, ("cosine", "wsd", "constant"))
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise ConfigError(f"{prefix}.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
+    if not 0 < optim.wsd_decay_ratio <= 1:
+        raise ConfigError(f"{prefix}.wsd_decay_ratio must be in (0, 1], got {optim.wsd_decay_ratio!r}")
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[str]
+    load_contents: list[str] | None
+    hf_dtype: str | None
+
+
+@dataclass
+class CpuSpeedupsConfig:
+    keep_freed_host_memory: bool
+    point_to_point_collectives: bool
+    tied_embedding_grad_in_place: bool
+
+
+@dataclass
+class TrainerConfig:
+    default_local_dir: str
+    project_name: str
+    experiment_name: str
+    total_epochs: int
+    total_training_steps: int | None
+    test_freq: int
+    save_freq: int
+    max_ckpt_to_keep: int | None
+    resume_mode: str
+    resume_from_path: str | None
+    checkpoint: CheckpointConfig
+    logger: list[str]
+    seed: int
+    device: str
+    profile_step: int | None
+    cpu_speedups: CpuSpeedupsConfig
+
+
+LOGGERS = ("console", "file", "wandb", "tensorboard")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+def validate_trainer(trainer: TrainerConfig) -> None:
+    positive("trainer.total_epochs", trainer.total_epochs)
+    positive("trainer.total_training_steps", trainer.total_training_steps, allow_none=True)
+    positive("trainer.max_ckpt_to_keep", trainer.max_ckpt_to_keep, allow_none=True)
+    for key, value in (("trainer.test_freq", trainer.test_freq), ("trainer.save_freq", trainer.save_freq)):
+        if value == 0 or value < -1:
+            raise ConfigError(f"{key} must be -1 (never) or > 0, got {value!r}")
+    one_of("trainer.resume_mode", trainer.resume_mode, ("auto", "disable", "resume_path"))
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError("trainer.resume_from_path is required when trainer.resume_mode=resume_path")
+    for key, contents in (
+        ("trainer.checkpoint.save_contents", trainer.checkpoint.save_contents),
+        ("trainer.checkpoint.load_contents", trainer.checkpoint.load_contents or []),
+    ):
+        for item in contents:
+            one_of(key, item, CHECKPOINT_CONTENTS)
+    one_of("trainer.checkpoint.hf_dtype", trainer.checkpoint.hf_dtype, DTYPE_NAMES + (None,))
+    for name in trainer.logger:
+        one_of("trainer.logger", name, LOGGERS)
+    one_of("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
+    positive("trainer.profile_step", trainer.profile_step, allow_none=True)
+
+
+def validate_data_files(data: Any, sizes: tuple[str, ...]) -> None:
+    """What SFT and RL data sections share: the files (a path or a list, made a list here), the positive sizes
+    named in `sizes` (keys of `data`), and the truncation side."""
+    data.train_files = as_path_list("data.train_files", data.train_files)
+    if not data.train_files:
+        raise ConfigError("data.train_files is required")
+    data.val_files = as_path_list("data.val_files", data.val_files)
+    for key in sizes:
+        positive(f"data.{key}", getattr(data, key))
+    one_of("data.truncation", data.truncation, TRUNCATIONS)
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one rank's share of a batch is cut into forward passes, with the keys it came from (SFT and GRPO
+    name them differently) so that errors name the user's key."""
+
+    size: int
+    dynamic: bool
+    max_tokens: int | None
+    size_key: str
+    dynamic_key: str
+    max_tokens_key: str
+
+
+def validate_micro_batching(batching: MicroBatching, max_length: int, max_length_key: str) -> None:
+    positive(batching.size_key, batching.size)
+    if batching.dynamic:
+        if batching.max_tokens is None:
+            raise ConfigError(f"{batching.max_tokens_key} is required when {batching.dynamic_key}=true")
+        if batching.max_tokens < max_length:
+            raise ConfigError(
+                f"{batching.max_tokens_key} ({batching.max_tokens}) must be >= {max_length_key} ({max_length}) "
+                "so that every sample fits one micro-batch"
+            )
+
+
+def check_batch_layout(batch_size: int, batch_size_key: str, batching: MicroBatching, dp_size: int) -> None:
+    """Sizes that depend on the number of data-parallel ranks, checked once the world is known."""
+    if batch_size % dp_size:
+        raise ConfigError(f"{batch_size_key} ({batch_size}) must be divisible by the data-parallel size ({dp_size})")
+    per_rank = batch_size // dp_size
+    if not batching.dynamic and per_rank % batching.size:
+        raise ConfigError(
+            f"{batch_size_key} / dp = {batch_size} / {dp_size} = {per_rank} samples per rank "
+            f"must be divisible by {batching.size_key} ({batching.size})"
+        )
+
+
+def validate_sequence_parallel(sp_size: int, packed: bool, sp_key: str, packed_key: str) -> None:
+    positive(sp_key, sp_size)
+    if sp_size > 1 and not packed:
+        raise ConfigError(f"{sp_key} > 1 needs {packed_key}=true (it splits packed rows)")

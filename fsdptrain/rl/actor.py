@@ -1,0 +1,192 @@
+"""The policy actor: the sharded policy with its optimizer and schedule, its token log-probs of a rollout's samples,
+and the clipped policy update over mini-batches. Its settings are resolved from the config once, when it is built.
+
+Every loss term of a micro-batch is this rank's share of its mini-batch's loss over the mini-batch's global token
+and sequence counts, so the gradient depends neither on the micro-batch size, the packing nor the number of ranks.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from fsdptrain.config.shared import MicroBatching
+from fsdptrain.data.dataset import Sample
+from fsdptrain.data.micro_batches import MicroBatch, forward_batches, plan_micro_batches
+from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.reductions import all_reduce_sum
+from fsdptrain.distributed.ulysses import gather_sequence
+from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
+from fsdptrain.rl import core_algos
+from fsdptrain.trainer.optim import clipped_step
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How samples go through a model to token log-probs (the policy's and the reference's alike)."""
+
+    packed: bool  # actor_rollout_ref.model.use_remove_padding
+    share_prompts: bool
+    chunked_loss_tokens: int
+    temperature: float  # the rollout's: log-probs of the distribution that was sampled
+    pad_id: int
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The policy loss (actor_rollout_ref.actor.*): `kl_coef` None without the KL loss."""
+
+    loss_mode: str  # a key of core_algos.POLICY_LOSS
+    agg_mode: str  # a key of core_algos.LOSS_AGG
+    clip_low: float
+    clip_high: float
+    clip_c: float
+    entropy_coeff: float
+    kl_coef: float | None
+    kl_type: str
+    loss_scale_factor: float | None
+    max_response_length: int
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How the samples of a step become optimizer steps."""
+
+    ppo_epochs: int
+    mini_batch_sequences: int  # this rank's sequences a mini-batch: ppo_mini_batch_size / dp * n
+    shuffle: bool
+    seed: int
+    grad_clip: float
+
+
+@torch.no_grad()
+def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: MicroBatching, forward: ForwardSettings, parallel: Parallel,
+                      key: str) -> None:
+    """Each sample's log-probs of its own tokens, at the rollout temperature, through the engine's chunked path,
+    stored as its token values `key` (aligned with input_ids; 0 where not trained); under Ulysses the slices are
+    joined into whole rows."""
+    micro_batches = plan_micro_batches(list(samples), batching, parallel)
+    for micro_batch, batch in forward_batches(micro_batches, samples[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
+        log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], forward.temperature, forward.chunked_loss_tokens,
+                                       sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
+        store_token_log_probs(log_probs, micro_batch, batch, forward.packed, parallel, key)
+
+
+def store_token_log_probs(log_probs: torch.Tensor, micro_batch: list[Sample] | None, batch: MicroBatch, packed: bool, parallel: Parallel,
+                          key: str) -> None:
+    """A micro-batch's log-probs (a slice of every row under Ulysses: joined here, so every rank of the group
+    calls it) stored on each of its samples as token values `key`, aligned with input_ids."""
+    if parallel.sp_size > 1:
+        log_probs = gather_sequence(log_probs[None], parallel.ulysses_group)[0]
+    if micro_batch is None:
+        return
+    width = batch.inputs["input_ids"].shape[1]
+    start = 0
+    for row, sample in enumerate(micro_batch):
+        offset = start if packed else row * width
+        values = log_probs[offset : offset + len(sample)].detach().cpu()
+        sample.token_values[key] = torch.cat([torch.zeros(1), values[:-1]])  # position t predicts token t + 1
+        start += len(sample)
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor], num_sequences: int,
+                  parallel: Parallel) -> torch.Tensor:
+    """On each token, the mean of `values` over its sequence's response tokens, summed over the Ulysses slices
+    that hold parts of the sequence."""
+    sequences = targets["sequence"].long()
+    sums = core_algos.sequence_sums(values * mask, sequences, num_sequences)
+    if parallel.sp_size > 1:
+        dist.all_reduce(sums, group=parallel.ulysses_group)
+    return sums[sequences] / targets["sequence_tokens"].clamp(min=1)
+
+
+def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBatching, forward: ForwardSettings, loss_settings: LossSettings,
+                        parallel: Parallel, first_pass_is_old: bool) -> dict[str, float]:
+    """Gradients of one mini-batch's loss (this rank's samples of it), accumulated into the parameters; without
+    old log-probs on the samples (`first_pass_is_old`) the forward's own are the old policy's. Returns this rank's
+    sums of the per-token metrics and its token count."""
+    local = [sum(float(s.loss_mask[1:].sum()) for s in mini), sum(float(s.loss_mask[1:].any()) for s in mini)]
+    global_tokens, global_sequences = all_reduce_sum(local, parallel.device, parallel.dp_group)
+    num_sequences = int(max(s.token_values["sequence"][0] for s in mini)) + 1
+    aggregate = partial(core_algos.agg_loss, mode=loss_settings.agg_mode, global_tokens=global_tokens, global_sequences=global_sequences,
+                        max_response_length=loss_settings.max_response_length, loss_scale_factor=loss_settings.loss_scale_factor)
+    sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
+    micro_batches = plan_micro_batches(mini, batching, parallel)
+    for micro_batch, batch in forward_batches(micro_batches, mini[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
+        targets = {k: v.flatten() for k, v in batch.targets.items()}
+        mask = (targets["labels"] != IGNORE_INDEX).float() * (0.0 if micro_batch is None else 1.0)
+        log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], forward.temperature, forward.chunked_loss_tokens,
+                                             with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
+        old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
+        if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
+            store_token_log_probs(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
+        sequence_log_ratio = None
+        if loss_settings.loss_mode == "gspo":
+            sequence_log_ratio = sequence_mean(log_probs.detach() - old, mask, targets, num_sequences, parallel)
+        pg, clipped, lower = core_algos.POLICY_LOSS[loss_settings.loss_mode](
+            log_probs, old, targets["advantage"], mask, sequence_log_ratio, loss_settings.clip_low, loss_settings.clip_high, loss_settings.clip_c)
+        if "rollout_is_weight" in targets:
+            pg = pg * targets["rollout_is_weight"]
+        per_token = partial(aggregate, mask=mask, sequence_tokens=targets["sequence_tokens"])
+        loss = per_token(pg) - loss_settings.entropy_coeff * per_token(entropy)
+        if loss_settings.kl_coef is not None:
+            kl = core_algos.kl_penalty(log_probs, targets["ref_log_prob"], loss_settings.kl_type)
+            loss = loss + loss_settings.kl_coef * per_token(kl)
+            sums["kl_loss"] += float((kl.detach() * mask).sum())
+        (loss * parallel.world_size).backward()  # FSDP averages gradients over ranks
+        sums["pg_loss"] += float((pg.detach() * mask).sum())
+        sums["pg_clipfrac"] += float(clipped.sum())
+        sums["pg_clipfrac_lower"] += float(lower.sum())
+        sums["ppo_kl"] += float(((old - log_probs.detach()) * mask).sum())
+        sums["entropy"] += float((entropy.detach() * mask).sum())
+        sums["tokens"] += float(mask.sum())
+    return sums
+
+
+@dataclass
+class PolicyActor:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    parallel: Parallel
+    forward: ForwardSettings
+    loss: LossSettings
+    update_settings: UpdateSettings
+    micro_batching: MicroBatching  # the update's forward passes
+    log_prob_batching: MicroBatching  # the old policy's
+
+    def log_probs(self, samples: Sequence[Sample], key: str) -> None:
+        compute_log_probs(self.model, samples, self.log_prob_batching, self.forward, self.parallel, key)
+
+    def update(self, samples: list[Sample], first_pass_is_old: bool) -> dict[str, float]:
+        """ppo_epochs passes over the mini-batches, each one clipped optimizer step, then one step of the LR
+        schedule; the metrics are token means, and the learning rate the update used. `first_pass_is_old`: the
+        samples carry no old log-probs, the update's first forward is the old policy (one mini-batch, one epoch)."""
+        settings, parallel = self.update_settings, self.parallel
+        lr = self.scheduler.get_last_lr()[0]
+        totals, norms, applied_all = {}, [], True
+        order = list(range(len(samples)))
+        for epoch in range(settings.ppo_epochs):
+            if settings.shuffle:
+                order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(settings.seed + epoch)).tolist()
+            for first in range(0, len(samples), settings.mini_batch_sequences):
+                # sorted: a group's responses side by side, to share their prompt
+                mini = [samples[i] for i in sorted(order[first : first + settings.mini_batch_sequences])]
+                sums = mini_batch_backward(self.model, mini, self.micro_batching, self.forward, self.loss, parallel, first_pass_is_old)
+                for key, value in sums.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                norm, applied = clipped_step(self.model, self.optimizer, settings.grad_clip)
+                norms.append(norm)
+                applied_all &= applied
+        self.scheduler.step()
+        totals = dict(zip(totals, all_reduce_sum(list(totals.values()), parallel.device)))  # per-token sums over sequence slices
+        tokens = max(totals.pop("tokens"), 1.0)
+        metrics = {f"actor/{key}": value / tokens for key, value in totals.items()}
+        metrics["actor/grad_norm"] = sum(norms) / len(norms)
+        metrics["actor/update_skipped"] = float(not applied_all)
+        metrics["actor/lr"] = lr
+        return metrics

@@ -1,0 +1,69 @@
+"""From scores to per-token advantages: each response's score on its last token, verl's KL penalty in the reward,
+then an estimator of core_algos (a group estimator's value on every token, or REINFORCE++'s returns), whitened
+over every rank where the estimator is."""
+
+from collections.abc import Sequence
+
+import torch
+
+from fsdptrain.data.dataset import Sample
+from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.reductions import all_reduce_sum
+from fsdptrain.rl import core_algos
+from fsdptrain.rl.rollout.base import Generation
+from fsdptrain.rl.samples import aligned
+
+
+def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> list[torch.Tensor]:
+    """Per-response-token rewards: each response's score on its last produced token."""
+    rewards = []
+    for value, generation in zip(scores, generations):
+        mask = generation.mask
+        reward = torch.zeros_like(mask)
+        reward[int(mask.nonzero().max())] = value
+        rewards.append(reward)
+    return rewards
+
+
+def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation],
+                kl_ctrl: core_algos.KLController, estimator: str, parallel: Parallel) -> dict[str, float]:
+    """verl's KL in the reward: subtract the controller's coefficient times the per-token KL (`estimator`) of the old
+    policy to the reference, then move the coefficient by the batch's mean KL (each sequence's token mean, over
+    every rank)."""
+    beta, sequence_means = kl_ctrl.value, []
+    for reward, sample, generation in zip(token_rewards, samples, generations):
+        start = len(generation.prompt_ids)
+        kl = core_algos.kl_penalty(sample.token_values["old_log_prob"][start:], sample.token_values["ref_log_prob"][start:], estimator)
+        mask = generation.mask
+        reward -= beta * kl * mask
+        sequence_means.append(float((kl * mask).sum() / mask.sum().clamp(min=1)))
+    total, count = all_reduce_sum([sum(sequence_means), float(len(sequence_means))], parallel.device, parallel.dp_group)
+    kl_ctrl.update(total / count, n_steps=int(count))
+    return {"actor/reward_kl_penalty": total / count, "actor/reward_kl_penalty_coeff": beta}
+
+
+def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], n: int, estimator: str, norm_by_std: bool,
+                     gamma: float, parallel: Parallel) -> list[torch.Tensor]:
+    """Each response's per-token advantages (responses of one prompt are `n` in a row): a group estimator's value
+    (from the summed rewards) on every token, or a token estimator's; WHITENED_ESTIMATORS whitened over every
+    rank's response tokens."""
+    masks = [g.mask for g in generations]
+    if estimator in core_algos.TOKEN_ADVANTAGE:
+        advantages = [core_algos.TOKEN_ADVANTAGE[estimator](reward, mask, gamma) for reward, mask in zip(token_rewards, masks)]
+    else:
+        scores = torch.stack([reward.sum() for reward in token_rewards])
+        groups = torch.arange(len(scores)) // n
+        per_sequence = core_algos.group_advantages(scores, groups, estimator, norm_by_std)
+        advantages = [value * mask for value, mask in zip(per_sequence, masks)]
+    if estimator in core_algos.WHITENED_ESTIMATORS:
+        flat, mask = torch.cat(advantages), torch.cat(masks)
+        total, squares, count = all_reduce_sum([float((flat * mask).sum()), float((flat.square() * mask).sum()), float(mask.sum())],
+                                               parallel.device, parallel.dp_group)
+        advantages = [core_algos.masked_whiten(a, m, total, squares, count) for a, m in zip(advantages, masks)]
+    return advantages
+
+
+def put_advantages(samples: Sequence[Sample], generations: Sequence[Generation], advantages: Sequence[torch.Tensor]) -> None:
+    """Each response's advantages on its sample, as the token values `advantage` the policy loss reads."""
+    for sample, generation, advantage in zip(samples, generations, advantages):
+        sample.token_values["advantage"] = aligned(advantage, len(generation.prompt_ids))

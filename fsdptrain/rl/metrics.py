@@ -1,0 +1,61 @@
+"""What a GRPO step reports: verl's per-step data metrics over every sample, the rollout dump, and the plots."""
+
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists, max_over_ranks
+from fsdptrain.logging.metrics import MetricLogger
+from fsdptrain.logging.plots import write_plots
+from fsdptrain.rl.data import Prompt
+from fsdptrain.rl.rollout.base import Generation
+
+
+def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict[str, float]:
+    """Mean, max and min of per-sample values over the step (each sample once: the data-parallel group)."""
+    total, count = all_reduce_sum([float(sum(values)), float(len(values))], parallel.device, parallel.dp_group)
+    return {f"{name}/mean": total / max(count, 1.0), f"{name}/max": max_over_ranks(max(values, default=-math.inf), parallel.device),
+            f"{name}/min": -max_over_ranks(-min(values, default=math.inf), parallel.device)}
+
+
+def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], scores: torch.Tensor, token_rewards: list[torch.Tensor],
+                 response_advantages: list[float], n: int, parallel: Parallel) -> dict[str, float]:
+    """verl's per-step data metrics over every sample of the step, and its token count for the throughput."""
+    lengths = [len(g.response_ids) for g in generations]
+    metrics = {**global_stats("critic/score", scores.tolist(), parallel),
+               "critic/rewards/mean": global_stats("critic/rewards", [float(r.sum()) for r in token_rewards], parallel)["critic/rewards/mean"],
+               **global_stats("critic/advantages", response_advantages, parallel), **global_stats("response_length", lengths, parallel)}
+    prompt_stats = global_stats("prompt_length", [len(p.ids) for p in prompts], parallel)
+    metrics.update({k: v for k, v in prompt_stats.items() if not k.endswith("/min")})
+    group_spread = scores.view(-1, n).std(dim=1) if n > 1 else torch.zeros(len(prompts))
+    tokens, truncated, responses, zero_std, groups = all_reduce_sum(
+        [float(sum(lengths) + sum(len(g.prompt_ids) for g in generations)), float(sum(g.truncated for g in generations)),
+         float(len(lengths)), float((group_spread == 0).sum()), float(len(group_spread))], parallel.device, parallel.dp_group)
+    metrics["response_length/clip_ratio"] = truncated / max(responses, 1.0)
+    metrics["frac_reward_zero_std"] = zero_std / max(groups, 1.0)
+    metrics["perf/tokens"] = tokens
+    return metrics
+
+
+def plot(history: list[dict], lengths: list[int], directory: str, logger: MetricLogger, parallel: Parallel, step: int) -> None:
+    """The plots of the steps so far into `directory` (rank 0 draws them from every sample's response length)."""
+    every_length = gather_lists(lengths, parallel.dp_group)
+    if parallel.is_main:
+        logger.log_images(write_plots(history, every_length, directory), step)
+
+
+def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: list[dict], advantages: list[float], n: int,
+                  parallel: Parallel) -> None:
+    """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage (rank 0 writes)."""
+    rows = [{"prompt": prompts[i // n].messages, "ground_truth": prompts[i // n].ground_truth, "data_source": prompts[i // n].data_source,
+             **s, "advantage": a} for i, (s, a) in enumerate(zip(scored, advantages))]
+    every_row = gather_lists(rows, parallel.dp_group)
+    if parallel.is_main:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"{step}.jsonl"), "w") as f:
+            for row in every_row:
+                f.write(json.dumps(row, default=str) + "\n")

@@ -1,0 +1,95 @@
+"""Run under torchrun by test_grpo.py: one GRPO mini-batch's gradient, for every loss mode and aggregation mode,
+written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared; and the old
+log-probs that the one-pass update keeps, checked here against a separate pass.
+
+    python -m torch.distributed.run --nproc_per_node=N -m tests.checks.grpo_check MODEL_DIR OUT MICRO PACKED SP
+
+MICRO is sequences per micro-batch, or `default` for the defaults (packed rows filled to a token budget); SP the
+Ulysses group size.
+"""
+
+import itertools
+import sys
+
+import torch
+from hydra import compose, initialize_config_module
+from torch.distributed.tensor import DTensor
+
+from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.data.dataset import Sample
+from fsdptrain.models.loading import load_model_config
+from fsdptrain.rl.actor import compute_log_probs, mini_batch_backward
+from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.trainer.grpo import forward_settings, loss_settings
+from fsdptrain.trainer.setup import build_sharded_model, start_run
+
+
+def main() -> None:
+    model_dir, out, micro, packed, sp = sys.argv[1:6]
+
+
+    LAYOUT = [] if micro == "default" else [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.use_dynamic_bsz=false"]
+
+
+    def config(*overrides):
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
+                "data.train_files=unused.parquet", f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
+                "actor_rollout_ref.model.enable_gradient_checkpointing=false", f"actor_rollout_ref.model.use_remove_padding={packed}",
+                *LAYOUT, f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}", "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
+
+
+    base = config()
+    parallel = start_run(base.trainer, sp_size=int(sp))
+    hf_config = load_model_config(model_dir, "model", base.actor_rollout_ref.model, parallel.sp_size)
+    model = build_sharded_model(model_dir, base.actor_rollout_ref.model, base.actor_rollout_ref.actor.fsdp_config, hf_config, base.trainer,
+                                parallel, packed == "true", trainable=True)
+
+    # Eight sequences, two prompts' groups of four, the same on every layout; each rank holds every dp-th one, so a
+    # rank's packed rows share each prompt between the responses they hold of it (not padded rows, not under SP).
+    g = torch.Generator().manual_seed(0)
+    everything = []
+    for i in range(8):
+        if i % 4 == 0:
+            prompt = torch.randint(3, 1000, (int(torch.randint(3, 9, (), generator=g)),), generator=g)
+        response = int(torch.randint(2, 12, (), generator=g))
+        ids = torch.cat([prompt, torch.randint(3, 1000, (response,), generator=g)])
+        mask = torch.cat([torch.zeros(len(prompt), dtype=torch.long), (torch.rand(response, generator=g) < 0.9).long()])
+        advantage = torch.cat([torch.zeros(len(prompt)), torch.full((response,), float(torch.randn((), generator=g)))])
+        length = len(ids)
+        everything.append(Sample(ids, mask, {"advantage": advantage, "sequence": torch.full((length,), float(i)),
+                                             "sequence_tokens": torch.full((length,), float(mask[1:].sum()))}, shared_prefix=len(prompt)))
+    mine = everything[parallel.dp_rank :: parallel.dp_size]
+    compute_log_probs(model, mine, base.micro_batching(4, "size"), forward_settings(base, pad_id=0), parallel, key="old_log_prob")
+    separate_pass = [sample.token_values["old_log_prob"].clone() for sample in mine]
+    for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
+        noise = torch.randn(len(sample), generator=torch.Generator().manual_seed(100 + index)) * 0.3  # ratios on both sides of the clip
+        sample.token_values["old_log_prob"] += noise * sample.loss_mask
+
+    gradients = {}
+    for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES):
+        variant = config(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}",
+                         "actor_rollout_ref.actor.entropy_coeff=0.01")
+        model.zero_grad(set_to_none=True)
+        mini_batch_backward(model, mine, variant.update_batching, forward_settings(variant, pad_id=0), loss_settings(variant), parallel,
+                            first_pass_is_old=False)
+        gradients[f"{loss_mode} {agg_mode}"] = {
+            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()
+        }
+
+    # One mini-batch, one epoch: the update's own forward is the old policy, and it keeps those log-probs for the
+    # engine's agreement metrics (Ulysses slices joined); they are the separate pass's, whatever the layout.
+    for sample in mine:
+        sample.token_values["rollout_log_prob"] = torch.zeros(len(sample))
+        del sample.token_values["old_log_prob"]
+    mini_batch_backward(model, mine, base.update_batching, forward_settings(base, pad_id=0), loss_settings(base), parallel, first_pass_is_old=True)
+    for sample, log_probs in zip(mine, separate_pass):
+        torch.testing.assert_close(sample.token_values["old_log_prob"], log_probs, atol=1e-5, rtol=0)
+    if parallel.is_main:
+        torch.save(gradients, out)
+    torch.distributed.destroy_process_group()
+    print("ok", parallel.rank)
+
+
+if __name__ == "__main__":
+    main()
