@@ -138,6 +138,38 @@ def torchrun(nproc: int, module: str, args: list[str], check: bool = True, extra
     return result
 
 
+def wait_for(path: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        if process.poll() is not None:
+            output = process.stderr.read().decode()[-4000:] if process.stderr else ""
+            raise AssertionError(f"run ended before {path} appeared:\n{output}")
+        if time.time() > deadline:
+            raise AssertionError(f"{path} did not appear")
+        time.sleep(0.002)
+
+
+def workers(parent: int) -> list:
+    """Pids of the processes whose parent is `parent` (torchrun's workers)."""
+    children = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    children.append(int(pid))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return children
+
+
+def launch(nproc: int, module: str, args: list[str], log: str, torchrun_args: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
+    """`module` under the real torchrun launcher, in the background, its output (every rank's) into the file `log`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", **(env or {})}
+    with open(log, "w") as out:
+        return subprocess.Popen(torchrun_cmd(nproc, module, args, torchrun_args or []), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
 def run_sft(nproc: int, model: str, data: dict[str, str], out: str, check: bool = True, **overrides):
     return torchrun(nproc, "fsdptrain.sft_trainer", sft_args(model, data, out, **overrides), check=check)
 

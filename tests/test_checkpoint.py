@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -24,6 +23,8 @@ from conftest import (
     sft_args,
     torchrun,
     torchrun_cmd,
+    wait_for,
+    workers,
 )
 
 pytestmark = pytest.mark.slow
@@ -42,29 +43,6 @@ def start_sft(nproc: int, model, data, out, torchrun_args=(), env=None, **overri
     cmd = torchrun_cmd(nproc, "fsdptrain.sft_trainer", sft_args(model, data, out, **overrides), list(torchrun_args))
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-
-def wait_for(path: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while not os.path.exists(path):
-        if process.poll() is not None:
-            raise AssertionError(f"run ended before {path} appeared:\n{process.stderr.read().decode()[-4000:]}")
-        if time.time() > deadline:
-            raise AssertionError(f"{path} did not appear")
-        time.sleep(0.002)
-
-
-def workers(parent: int) -> list:
-    """Pids of the processes whose parent is `parent` (torchrun's workers)."""
-    children = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
-                    children.append(int(pid))
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return children
 
 
 @pytest.fixture(scope="module")

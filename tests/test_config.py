@@ -56,6 +56,7 @@ def test_unknown_key_from_the_command_line(tmp_path):
         ("trainer.profile_step=0", "trainer.profile_step must be > 0"),
         ("trainer.checkpoint.save_contents=[model,weights]", "trainer.checkpoint.save_contents must be one of"),
         ("trainer.save_freq=0", "trainer.save_freq must be -1"),
+        ("trainer.nccl_timeout=0", "trainer.nccl_timeout must be > 0"),
     ],
 )
 def test_bad_values_are_named(override, message):
@@ -130,6 +131,7 @@ def grpo_config(*overrides):
          r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
         (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=0"], "max_num_seqs must be > 0"),
         (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=pt"], "load_format must be one of dummy"),
+        (["actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout must be > 0"),
     ],
 )
 def test_bad_grpo_values_are_named(overrides, message):

@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from fsdptrain.checkpoint.hf_export import ARCHITECTURE_KEYS, save_hf_folder
 from fsdptrain.config.shared import TrainerConfig
 from fsdptrain.distributed.fsdp import full_parameters
+from fsdptrain.distributed.launcher import fault_point
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.dtypes import DTYPES
 from fsdptrain.errors import ConfigError
@@ -148,10 +149,8 @@ class CheckpointManager:
         tmp = os.path.join(self.root, f".global_step_{step}.tmp")
 
         def prepare() -> None:
-            os.makedirs(self.root, exist_ok=True)
-            for name in os.listdir(self.root):  # leftovers of saves killed midway
-                if name.startswith(".global_step_") and name.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            # Leftovers of saves killed midway were removed when this run locked its directory (run_lock.py); a
+            # temporary directory here now would be another writer's, which is never removed.
             os.makedirs(os.path.join(tmp, "extra"))
 
         self._run_on_main(prepare)
@@ -196,6 +195,7 @@ class CheckpointManager:
             write_atomic(os.path.join(self.root, TRACKER), str(step))
             self._rotate()
 
+        fault_point("save", step)
         self._run_on_main(publish)
         return final
 

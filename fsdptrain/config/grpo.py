@@ -171,6 +171,7 @@ class RefConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
+    nccl_timeout: int
     model: RLModelConfig
     actor: ActorConfig
     rollout: RolloutConfig
@@ -334,6 +335,7 @@ def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     validate_data_files(data, ("max_prompt_length", "max_response_length", "train_batch_size"))
     validate_rl_model(model)
+    positive("actor_rollout_ref.nccl_timeout", config.actor_rollout_ref.nccl_timeout)
     validate_actor(actor, model.use_remove_padding)
     validate_grpo_trainer(config.trainer)
     validate_micro_batching(config.update_batching, config.sequence_length, "data.max_prompt_length + data.max_response_length")

@@ -76,11 +76,16 @@ class SFTOptimConfig(OptimConfig):
 
 
 @dataclass
+class SFTTrainerConfig(TrainerConfig):
+    nccl_timeout: int
+
+
+@dataclass
 class SFTConfig:
     data: DataConfig
     model: SFTModelConfig
     optim: SFTOptimConfig
-    trainer: TrainerConfig
+    trainer: SFTTrainerConfig
     use_remove_padding: bool
     ulysses_sequence_parallel_size: int
 
@@ -109,6 +114,7 @@ def load_sft_config(cfg: DictConfig) -> SFTConfig:
     validate_optim(config.optim, "optim")
     positive("optim.clip_grad", config.optim.clip_grad)
     validate_trainer(config.trainer)
+    positive("trainer.nccl_timeout", config.trainer.nccl_timeout)
     validate_sequence_parallel(
         config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size", "use_remove_padding"
     )

@@ -48,8 +48,9 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_parallel(device_preference: str, sp_size: int) -> Parallel:
-    """Join (or, run without torchrun, create) the process group and build the (dp, sp) mesh."""
+def init_parallel(device_preference: str, sp_size: int, timeout_s: float = 1800) -> Parallel:
+    """Join (or, run without torchrun, create) the process group, whose collectives wait `timeout_s` for every
+    rank, and build the (dp, sp) mesh."""
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
@@ -61,7 +62,7 @@ def init_parallel(device_preference: str, sp_size: int) -> Parallel:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device.type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
     return Parallel(
         device=device,

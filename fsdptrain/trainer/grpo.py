@@ -37,7 +37,16 @@ from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, RolloutRequest, fit_prompts
 from fsdptrain.trainer.runtime import peak_memory_gb
-from fsdptrain.trainer.setup import Run, StepTimer, build_sharded_model, count_steps, open_run, start_run
+from fsdptrain.trainer.setup import (
+    Run,
+    StepTimer,
+    build_sharded_model,
+    claim_run_directory,
+    count_steps,
+    lost_ranks_named,
+    open_run,
+    start_run,
+)
 
 
 @dataclass
@@ -101,7 +110,8 @@ class GRPOStep:
 
 
 def run_grpo(config: GRPOConfig) -> None:
-    parallel = start_run(config.trainer, sp_size=config.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
+    parallel = start_run(config.trainer, config.actor_rollout_ref.actor.ulysses_sequence_parallel_size, config.actor_rollout_ref.nccl_timeout)
+    claim_run_directory(config.trainer, parallel)
     check_rl_layout(config, parallel.dp_size, parallel.world_size)
     model_config, trainer = config.actor_rollout_ref.model, config.trainer
     hf_config = load_model_config(model_config.path, "actor_rollout_ref.model.path", model_config, parallel.sp_size)
@@ -131,28 +141,29 @@ def run_grpo(config: GRPOConfig) -> None:
     if val and trainer.val_before_train and run.step == 0:
         run.logger.log(validate(), 0)
     history = []  # this process's steps, for the plots
-    for step in range(run.step + 1, total_steps + 1):
-        timer = StepTimer()
-        with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank):
-            result = step_once(timer)
-        groups, metrics = result.groups, result.metrics
-        if config.actor_rollout_ref.actor.use_kl_loss:
-            metrics["actor/kl_coef"] = config.actor_rollout_ref.actor.kl_loss_coef
-        if val and run.due(step, trainer.test_freq):
-            with timer("testing"):
-                metrics.update(validate())
-        timer.seconds["step"] = timer.elapsed()
-        metrics.update({f"timing_s/{k}": max_over_ranks(v, parallel.device) for k, v in timer.seconds.items()})
-        metrics["perf/throughput"] = metrics.pop("perf/tokens") / parallel.world_size / timer.seconds["step"]
-        metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device)
-        scored = [s for g in groups for s in g.scored]
-        if trainer.rollout_data_dir:
-            dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], scored, result.response_advantages, rollout.n, parallel)
-        history.append({"step": step, **metrics})
-        if run.due(step, trainer.plot_freq):
-            lengths = [len(generation.response_ids) for g in groups for generation in g.generations]
-            plot(history, lengths, os.path.join(trainer.default_local_dir, "plots"), run.logger, parallel, step)
-        run.end_step(step, metrics, score=f"{metrics['critic/score/mean']:.3f}", length=f"{metrics['response_length/mean']:.0f}")
+    with lost_ranks_named(run, config.actor_rollout_ref.nccl_timeout, "actor_rollout_ref.nccl_timeout"):
+        for step in range(run.step + 1, total_steps + 1):
+            timer = StepTimer(step)
+            with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank):
+                result = step_once(timer)
+            groups, metrics = result.groups, result.metrics
+            if config.actor_rollout_ref.actor.use_kl_loss:
+                metrics["actor/kl_coef"] = config.actor_rollout_ref.actor.kl_loss_coef
+            if val and run.due(step, trainer.test_freq):
+                with timer("testing"):
+                    metrics.update(validate())
+            timer.seconds["step"] = timer.elapsed()
+            metrics.update({f"timing_s/{k}": max_over_ranks(v, parallel.device) for k, v in timer.seconds.items()})
+            metrics["perf/throughput"] = metrics.pop("perf/tokens") / parallel.world_size / timer.seconds["step"]
+            metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device)
+            scored = [s for g in groups for s in g.scored]
+            if trainer.rollout_data_dir:
+                dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], scored, result.response_advantages, rollout.n, parallel)
+            history.append({"step": step, **metrics})
+            if run.due(step, trainer.plot_freq):
+                lengths = [len(generation.response_ids) for g in groups for generation in g.generations]
+                plot(history, lengths, os.path.join(trainer.default_local_dir, "plots"), run.logger, parallel, step)
+            run.end_step(step, metrics, score=f"{metrics['critic/score/mean']:.3f}", length=f"{metrics['response_length/mean']:.0f}")
     run.finish(shutdown=engine.shutdown)
 
 

@@ -3,7 +3,9 @@ schedule, frozen models, the checkpoint manager, the logger and the progress bar
 of a step's phases, and what happens at the end of a step (log, bar, checkpoint at trainer.save_freq). Each
 trainer calls these with the sections of its own config."""
 
+import os
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,7 +18,9 @@ from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdptrain.checkpoint.manager import CheckpointManager, Stateful
+from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_directory
 from fsdptrain.config.shared import FSDPConfig, ModelConfig, OptimConfig, TrainerConfig
+from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
 from fsdptrain.errors import ConfigError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
@@ -25,12 +29,28 @@ from fsdptrain.trainer.optim import build_optimizer, build_scheduler
 from fsdptrain.trainer.runtime import apply_cpu_speedups, quiet_non_main, seed_everything
 
 
-def start_run(trainer: TrainerConfig, sp_size: int) -> Parallel:
-    """Join the process group (dp x sp mesh), quiet the other ranks' library output, seed every generator."""
-    parallel = init_parallel(trainer.device, sp_size)
+def start_run(trainer: TrainerConfig, sp_size: int, timeout_s: float = 1800) -> Parallel:
+    """Join the process group (dp x sp mesh; collectives wait `timeout_s` for every rank), die with torchrun's
+    launcher, quiet the other ranks' library output, seed every generator."""
+    die_with_launcher()
+    parallel = init_parallel(trainer.device, sp_size, timeout_s)
     quiet_non_main(parallel)
     seed_everything(trainer.seed)
     return parallel
+
+
+def claim_run_directory(trainer: TrainerConfig, parallel: Parallel) -> None:
+    """This run's lock on trainer.default_local_dir (one writer per directory), taken by rank 0; every rank raises
+    the same error, naming the run that holds it, where it cannot be had."""
+    refusal = [None]
+    if parallel.is_main:
+        try:
+            lock_run_directory(trainer.default_local_dir)
+        except ConfigError as e:
+            refusal = [str(e)]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise ConfigError(refusal[0])
 
 
 def count_steps(trainer: TrainerConfig, dataset_size: int, batch_size: int, what: str) -> int:
@@ -79,6 +99,7 @@ class Run:
 
     def end_step(self, step: int, metrics: dict[str, float], **postfix: str) -> None:
         """Log the step's metrics, move the progress bar (showing `postfix`), and save at trainer.save_freq."""
+        self.step = step
         self.logger.log(metrics, step)
         if postfix:
             self.bar.set_postfix(**postfix)
@@ -92,6 +113,8 @@ class Run:
         self.bar.close()
         self.logger.close()
         dist.barrier()
+        if self.parallel.is_main:
+            release_run_directory(self.trainer.default_local_dir)
         if shutdown is not None:
             shutdown()
         # Left to interpreter exit, gloo's threads can be torn down while still joinable: an abort after a finished run.
@@ -131,15 +154,44 @@ def open_run(
     return Run(parallel, trained, optimizer, scheduler, checkpoints, logger, bar, trainer, total_steps, step)
 
 
+class LostRankError(RuntimeError):
+    """A collective waited its whole timeout for a rank that never joined it."""
+
+
+@contextmanager
+def lost_ranks_named(run: Run, timeout_s: float, key: str) -> Iterator[None]:
+    """Around the step loop: a collective that timed out (a rank gone or stuck without the launcher noticing) ends
+    the run with an error naming the step, the collective and the timeout's key, not a bare transport message."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        raise LostRankError(f"step {run.step + 1}: {collective_of(e)} waited {timeout_s:g} s ({key}) for a rank that never joined it "
+                            f"(gone, or stuck); {str(e).splitlines()[0]}") from e
+
+
+def collective_of(error: BaseException) -> str:
+    """The torch.distributed call an error came from, and the project's line that made it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    collective = next((f.name for f in reversed(frames) if f"torch{os.sep}distributed" in f.filename and not f.name.startswith("_")
+                       and "wrapper" not in f.name), "a collective")
+    caller = next((f for f in reversed(frames) if f"{os.sep}fsdptrain{os.sep}" in f.filename), None)
+    return collective if caller is None else f"{collective} (from {caller.name}, {os.path.basename(caller.filename)}:{caller.lineno})"
+
+
 @dataclass
 class StepTimer:
-    """Seconds of a step's named phases (`with timer("gen"): ...`), and of the whole step so far."""
+    """Seconds of step `step`'s named phases (`with timer("gen"): ...`), and of the whole step so far. Each phase
+    is also a point where the restart tests kill a worker (distributed/launcher.py's fault_point)."""
 
+    step: int
     seconds: dict[str, float] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        fault_point(phase, self.step)
         tick = time.perf_counter()
         yield
         self.seconds[phase] = time.perf_counter() - tick

@@ -1,6 +1,5 @@
 """Supervised fine-tuning: the step loop on top of the shared set-up."""
 
-import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -19,7 +18,7 @@ from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.trainer.optim import clipped_step
 from fsdptrain.trainer.runtime import peak_memory_gb
-from fsdptrain.trainer.setup import count_steps, open_run, start_run
+from fsdptrain.trainer.setup import StepTimer, claim_run_directory, count_steps, lost_ranks_named, open_run, start_run
 
 
 def train_step(
@@ -72,7 +71,8 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
 
 
 def run_sft(config: SFTConfig) -> None:
-    parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size)
+    parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size, config.trainer.nccl_timeout)
+    claim_run_directory(config.trainer, parallel)
     check_batch_layout(config.data.train_batch_size, "data.train_batch_size", config.micro_batching, parallel.dp_size)
     path = config.model.partial_pretrain
     hf_config = load_model_config(path, "model.partial_pretrain", config.model, parallel.sp_size)
@@ -86,33 +86,33 @@ def run_sft(config: SFTConfig) -> None:
         parallel, config.trainer, path, config.model, config.model.fsdp_config, config.optim, hf_config, tokenizer,
         packed=config.use_remove_padding, total_steps=total_steps, run_config=asdict(config),
     )
-    model, step = run.model, run.step
+    model = run.model
     batches, batches_epoch = [], -1
-    while step < total_steps:
-        epoch, index = divmod(step, steps_per_epoch)
-        if epoch != batches_epoch:
-            batches, batches_epoch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle), epoch
-        mine = rank_share([train[i] for i in batches[index]], parallel.dp_rank, parallel.dp_size)
-        start = time.perf_counter()
-        lr = run.scheduler.get_last_lr()[0]
-        with profile_step(step + 1 == config.trainer.profile_step, step + 1, config.trainer.default_local_dir, parallel.rank):
-            micro_batches = plan_micro_batches(mine, config.micro_batching, parallel)
-            local = train_step(model, micro_batches, config, parallel, tokenizer.pad_token_id)
-            grad_norm, applied = clipped_step(model, run.optimizer, config.optim.clip_grad)
-            run.scheduler.step()
-        nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
-        elapsed = time.perf_counter() - start
-        step += 1
-        metrics = {
-            "train/loss": nll_sum / max(token_sum, 1.0),
-            "train/grad_norm": grad_norm,
-            "train/update_skipped": float(not applied),
-            "train/lr": lr,
-            "train/epoch": epoch,
-            "perf/tokens_per_sec": seen / elapsed,
-            "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
-        }
-        if val and run.due(step, config.trainer.test_freq):
-            metrics["val/loss"] = validate(model, val, config, parallel, tokenizer.pad_token_id)
-        run.end_step(step, metrics)
+    with lost_ranks_named(run, config.trainer.nccl_timeout, "trainer.nccl_timeout"):
+        for step in range(run.step + 1, total_steps + 1):
+            epoch, index = divmod(step - 1, steps_per_epoch)
+            if epoch != batches_epoch:
+                batches, batches_epoch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle), epoch
+            mine = rank_share([train[i] for i in batches[index]], parallel.dp_rank, parallel.dp_size)
+            timer = StepTimer(step)
+            lr = run.scheduler.get_last_lr()[0]
+            with profile_step(step == config.trainer.profile_step, step, config.trainer.default_local_dir, parallel.rank), timer("update"):
+                micro_batches = plan_micro_batches(mine, config.micro_batching, parallel)
+                local = train_step(model, micro_batches, config, parallel, tokenizer.pad_token_id)
+                grad_norm, applied = clipped_step(model, run.optimizer, config.optim.clip_grad)
+                run.scheduler.step()
+            nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
+            elapsed = timer.elapsed()
+            metrics = {
+                "train/loss": nll_sum / max(token_sum, 1.0),
+                "train/grad_norm": grad_norm,
+                "train/update_skipped": float(not applied),
+                "train/lr": lr,
+                "train/epoch": epoch,
+                "perf/tokens_per_sec": seen / elapsed,
+                "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
+            }
+            if val and run.due(step, config.trainer.test_freq):
+                metrics["val/loss"] = validate(model, val, config, parallel, tokenizer.pad_token_id)
+            run.end_step(step, metrics)
     run.finish()

