@@ -1,16 +1,22 @@
 """`torchrun -m fsdptrain.sft_trainer key=value ...`: supervised fine-tuning."""
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 from fsdptrain.config.sft import load_sft_config
+from fsdptrain.config.verl_keys import translate_argv
 from fsdptrain.trainer.sft import run_sft
+
+command_line_problems: list[str] = []  # verl keys it cannot take, reported with the config's own problems
 
 
 @hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_sft(load_sft_config(cfg))
+    run_sft(load_sft_config(cfg, command_line_problems))
 
 
 if __name__ == "__main__":
+    sys.argv, command_line_problems = translate_argv(sys.argv, "sft")
     main()

@@ -7,6 +7,7 @@ dotted name.
 """
 
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,6 +29,21 @@ def to_typed(cfg: DictConfig, schema: type) -> Any:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
         raise ConfigError(f"{key}: {getattr(e, 'msg', str(e)).splitlines()[0]}") from None
+
+
+def check_all(checks: Sequence[Callable[[], None]], problems: Sequence[str] = ()) -> None:
+    """Run every check (each a config section's validation); one ConfigError holding each failure and the earlier
+    `problems` (the command line's unknown keys), so that a config with three mistakes reports three."""
+    failures = list(problems)
+    for check in checks:
+        try:
+            check()
+        except ConfigError as e:
+            failures.append(str(e))
+    if len(failures) == 1:
+        raise ConfigError(failures[0])
+    if failures:
+        raise ConfigError(f"{len(failures)} problems:\n  " + "\n  ".join(failures))
 
 
 def one_of(key: str, value: Any, allowed: tuple) -> None:

@@ -6,12 +6,13 @@ filter keys), so a new estimator, loss or engine is allowed where it is defined.
 """
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 
-from fsdptrain.config.base import one_of, positive, to_typed
+from fsdptrain.config.base import check_all, one_of, positive, to_typed
 from fsdptrain.config.shared import (
     FSDPConfig,
     MicroBatching,
@@ -328,26 +329,33 @@ class GRPOConfig:
         return self.micro_batching(self.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
 
 
-def load_grpo_config(cfg: DictConfig) -> GRPOConfig:
-    """Type-check and validate a GRPO config, section by section; every error names its key and its numbers."""
+def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfig:
+    """Type-check and validate a GRPO config, section by section: one error naming each bad key and its numbers,
+    with the command line's `problems` (verl_keys.translate's)."""
     config: GRPOConfig = to_typed(cfg, GRPOConfig)
     data, model = config.data, config.actor_rollout_ref.model
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    validate_data_files(data, ("max_prompt_length", "max_response_length", "train_batch_size"))
-    validate_rl_model(model)
-    positive("actor_rollout_ref.nccl_timeout", config.actor_rollout_ref.nccl_timeout)
-    validate_actor(actor, model.use_remove_padding)
-    validate_grpo_trainer(config.trainer)
-    validate_micro_batching(config.update_batching, config.sequence_length, "data.max_prompt_length + data.max_response_length")
-    validate_rollout(rollout, actor.ulysses_sequence_parallel_size)
-    positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
-    validate_algorithm(config.algorithm, rollout, actor.use_kl_loss)
-    validate_reward_model(config.reward_model, data.max_response_length)
-    if data.train_batch_size % actor.ppo_mini_batch_size:
-        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
-                          f"{ACTOR}.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
-    config.custom_reward_function = resolve_reward_function(config.custom_reward_function, config.reward.custom_reward_function)
+    check_all([
+        lambda: validate_data_files(data, ("max_prompt_length", "max_response_length", "train_batch_size")),
+        lambda: validate_rl_model(model),
+        lambda: positive("actor_rollout_ref.nccl_timeout", config.actor_rollout_ref.nccl_timeout),
+        lambda: validate_actor(actor, model.use_remove_padding),
+        lambda: validate_grpo_trainer(config.trainer),
+        lambda: validate_micro_batching(config.update_batching, config.sequence_length, "data.max_prompt_length + data.max_response_length"),
+        lambda: validate_rollout(rollout, actor.ulysses_sequence_parallel_size),
+        lambda: positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
+        lambda: validate_algorithm(config.algorithm, rollout, actor.use_kl_loss),
+        lambda: validate_reward_model(config.reward_model, data.max_response_length),
+        lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
+        lambda: setattr(config, "custom_reward_function", resolve_reward_function(config.custom_reward_function,
+                                                                                   config.reward.custom_reward_function)),
+    ], problems)
     return config
+
+
+def check_mini_batches(train_batch_size: int, mini_batch_size: int) -> None:
+    if train_batch_size % mini_batch_size:
+        raise ConfigError(f"data.train_batch_size ({train_batch_size}) must be divisible by {ACTOR}.ppo_mini_batch_size ({mini_batch_size})")
 
 
 def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int) -> None:

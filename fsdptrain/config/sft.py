@@ -1,11 +1,12 @@
 """The SFT trainer's config (verl's sft_trainer.yaml names) and its validation."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 
-from fsdptrain.config.base import positive, to_typed
+from fsdptrain.config.base import check_all, positive, to_typed
 from fsdptrain.config.shared import (
     FSDPConfig,
     MicroBatching,
@@ -105,17 +106,19 @@ class SFTConfig:
         )
 
 
-def load_sft_config(cfg: DictConfig) -> SFTConfig:
-    """Type-check and validate an SFT config; every error names its key."""
+def load_sft_config(cfg: DictConfig, problems: Sequence[str] = ()) -> SFTConfig:
+    """Type-check and validate an SFT config, every section: one error naming each bad key, with the command
+    line's `problems` (verl_keys.translate's)."""
     config: SFTConfig = to_typed(cfg, SFTConfig)
-    validate_data(config.data)
-    validate_micro_batching(config.micro_batching, config.data.max_length, "data.max_length")
-    validate_sft_model(config.model)
-    validate_optim(config.optim, "optim")
-    positive("optim.clip_grad", config.optim.clip_grad)
-    validate_trainer(config.trainer)
-    positive("trainer.nccl_timeout", config.trainer.nccl_timeout)
-    validate_sequence_parallel(
-        config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size", "use_remove_padding"
-    )
+    check_all([
+        lambda: validate_data(config.data),
+        lambda: validate_micro_batching(config.micro_batching, config.data.max_length, "data.max_length"),
+        lambda: validate_sft_model(config.model),
+        lambda: validate_optim(config.optim, "optim"),
+        lambda: positive("optim.clip_grad", config.optim.clip_grad),
+        lambda: validate_trainer(config.trainer),
+        lambda: positive("trainer.nccl_timeout", config.trainer.nccl_timeout),
+        lambda: validate_sequence_parallel(config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size",
+                                           "use_remove_padding"),
+    ], problems)
     return config

@@ -1,0 +1,116 @@
+"""verl's command lines as verl reads them (fsdptrain/config/verl_keys.py, verl_keys.yaml): verl's own GSM8K GRPO
+example script (tests/verl_examples/, unchanged) loads with no unknown key and runs two steps with only the
+launcher, paths and sizes changed; every mistake of a command line is reported in one error; the launch's shape is
+checked against the world size; and the docs' table lists every key of verl_keys.yaml."""
+
+import importlib.util
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_module
+
+from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.config.verl_keys import TABLE, translate
+from fsdptrain.errors import ConfigError
+
+from conftest import REPO, save_tiny_model, torchrun
+from test_grpo import rl_data  # noqa: F401  (a fixture)
+
+EXAMPLE = Path(__file__).parent / "verl_examples" / "run_qwen3-1.7b.sh"
+
+
+def script_overrides(path: Path) -> list[str]:
+    """The key=value arguments of a verl launch script, as bash passes them."""
+    text = path.read_text().replace("\\\n", " ")
+    command = next(line for line in text.splitlines() if "verl.trainer.main_ppo" in line)
+    return [word for word in shlex.split(command) if "=" in word]
+
+
+def with_local(overrides: list[str], local: dict[str, object]) -> list[str]:
+    """The script's overrides with the paths and sizes of `local` in place of its own."""
+    kept = [o for o in overrides if o.partition("=")[0] not in local]
+    return kept + [f"{key}={value}" for key, value in local.items()]
+
+
+def sizes_and_paths(model: str, data: Path, out: str) -> dict[str, object]:
+    return {"data.train_files": data / "rl_train.parquet", "data.val_files": data / "rl_val.parquet", "data.train_batch_size": 4,
+            "data.max_prompt_length": 96, "data.max_response_length": 8, "actor_rollout_ref.model.path": model,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 2,
+            "actor_rollout_ref.rollout.gpu_memory_utilization": 0.1, "trainer.n_gpus_per_node": 2, "trainer.total_training_steps": 2,
+            "trainer.default_local_dir": out, "trainer.device": "cpu", "trainer.test_freq": 2}
+
+
+def test_verls_example_loads_with_every_key_accepted_or_mapped(tmp_path, capsys):
+    overrides, problems = translate(with_local(script_overrides(EXAMPLE), sizes_and_paths("/models/x", tmp_path, str(tmp_path))), "grpo", 2)
+    assert problems == []
+    notes = capsys.readouterr().err
+    for key in ("use_liger", "use_fused_kernels", "fused_kernel_options.impl_backend", "optimizer_offload"):
+        assert f"actor_rollout_ref.model.{key}" in notes or f"fsdp_config.{key}" in notes, key
+    assert "actor_rollout_ref.actor.fsdp_config.cpu_offload=False" in overrides and "actor_rollout_ref.ref.fsdp_config.param_offload=True" in overrides
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = load_grpo_config(compose(config_name="grpo_trainer", overrides=overrides))
+    assert config.actor_rollout_ref.rollout.n == 3 and config.actor_rollout_ref.actor.kl_loss_type == "low_var_kl"
+
+
+def test_every_mistake_of_a_command_line_is_reported_at_once():
+    overrides, problems = translate(["data.train_filez=a.parquet", "actor_rollout_ref.actor.ppo_mini_batchsize=8", "trainer.critic_warmup=5",
+                                     "trainer.nnodes=1", "trainer.n_gpus_per_node=8", "data.truncation=middle",
+                                     "actor_rollout_ref.actor.clip_ratio_c=0.5"], "grpo", world_size=2)
+    assert problems == [
+        "data.train_filez: not a key of fsdptrain's grpo_trainer.yaml (did you mean data.train_files?)",
+        "actor_rollout_ref.actor.ppo_mini_batchsize: not a key of fsdptrain's grpo_trainer.yaml (did you mean "
+        "actor_rollout_ref.actor.ppo_mini_batch_size?)",
+        "trainer.critic_warmup=5: PPO with a critic is not built yet; there is no critic to warm up",
+        "trainer.nnodes (1) x trainer.n_gpus_per_node (8) must equal the number of processes torchrun started (2): launch with "
+        "--nnodes=1 --nproc_per_node=8, or fix the keys",
+    ]
+    # The values that are wrong, with the command line's problems, in the one error the config's loading raises.
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        cfg = compose(config_name="grpo_trainer", overrides=[*overrides, "data.train_files=a.parquet", "actor_rollout_ref.model.path=/m"])
+    with pytest.raises(ConfigError) as error:
+        load_grpo_config(cfg, problems)
+    message = str(error.value)
+    assert message.startswith("6 problems:")
+    assert "data.truncation must be one of error|left|right, got 'middle'" in message and "clip_ratio_c must be > 1" in message
+    assert all(problem in message for problem in problems)
+
+
+def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass():
+    assert translate(["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "trainer.critic_warmup=0", "actor_rollout_ref.rollout.mode=sync",
+                      "trainer.default_hdfs_dir=null"], "grpo", 2) == ([], [])
+    _, problems = translate(["critic.ppo_micro_batch_size_per_gpu=4"], "grpo", 1)
+    assert problems == ["critic.ppo_micro_batch_size_per_gpu=4: PPO with a critic is not built yet; use a group estimator "
+                        "(algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus) and remove the critic.* keys"]
+    overrides, problems = translate(["model.fsdp_config.offload_params=true", "trainer.nnodes=2"], "sft", 2)
+    assert overrides == ["model.fsdp_config.cpu_offload=true"] and "trainer.nnodes (2) x trainer.n_gpus_per_node (2)" in problems[0]
+
+
+def test_the_docs_table_lists_every_key():
+    page = (REPO / "docs" / "from_verl.md").read_text()
+    for trainer, entries in yaml.safe_load(open(TABLE)).items():
+        for key in entries:
+            assert f"`{key}" in page, f"{trainer}: {key} is not in docs/from_verl.md"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
+def test_verls_example_trains_two_steps(tmp_path, tokenizer, rl_data):  # noqa: F811
+    """The example as written (vLLM rollouts, KL loss, the reference offloaded, gradient checkpointing, liger and
+    fused-kernel keys) on 2 CPU processes, with the launcher, paths and sizes changed."""
+    model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                            num_key_value_heads=1)
+    out = str(tmp_path / "run")
+    result = torchrun(2, "fsdptrain.grpo_trainer", with_local(script_overrides(EXAMPLE), sizes_and_paths(model, rl_data, out)))
+    assert "actor_rollout_ref.model.use_liger=True changes nothing here" in result.stderr
+    # The script logs to the console and wandb (offline here), not to a file: the console lines are the metrics.
+    lines = re.findall(r"^step (\d+) \| (?!plots:)(.*)$", result.stdout, re.MULTILINE)
+    assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
+    for _, line in lines:  # the KL loss against the offloaded reference, as the script asks
+        assert "actor/kl_loss" in line and "timing_s/ref" in line and "training/rollout_probs_diff_max" in line
+    assert "val-core/arithmetic/acc/mean@1" in lines[1][1]
+    assert os.path.isdir(os.path.join(out, "wandb"))
