@@ -80,6 +80,12 @@ def test_every_mistake_of_a_command_line_is_reported_at_once():
     assert all(problem in message for problem in problems)
 
 
+def test_keys_added_with_a_plus_are_checked_like_the_others():
+    overrides, problems = translate(["+trainer.total_training_steps=2", "++data.shuffle=false", "+data.prompt_dict_keys=[content]"], "sft", 1)
+    assert overrides == ["trainer.total_training_steps=2", "data.shuffle=false"]
+    assert problems == ["data.prompt_dict_keys: not a key of fsdptrain's sft_trainer.yaml (did you mean data.prompt_key?)"]
+
+
 def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass():
     assert translate(["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "trainer.critic_warmup=0", "actor_rollout_ref.rollout.mode=sync",
                       "trainer.default_hdfs_dir=null"], "grpo", 2) == ([], [])

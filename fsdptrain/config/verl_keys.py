@@ -66,11 +66,12 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
     kept, problems, shape = [], [], {}
     for override in overrides:
         key, sep, value = override.partition("=")
-        if not sep or key.startswith(("+", "~", "hydra.", "-")):
+        key = key.lstrip("+")  # verl's scripts add keys its own schema lacks with `+key=`; here every key is checked alike
+        if not sep or key.startswith(("~", "hydra.", "-")):
             kept.append(override)
             continue
         if key in leaves or any(leaf.startswith(key + ".") for leaf in leaves) or any(key.startswith(m + ".") for m in open_mappings):
-            kept.append(override)
+            kept.append(f"{key}={value}")
             continue
         entry = entry_of(key, table)
         parsed = yaml.safe_load(value) if value else None

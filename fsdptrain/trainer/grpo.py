@@ -102,11 +102,14 @@ class GRPOStep:
         if self.agreement and self.one_pass:  # the old log-probs came from the update's forward
             metrics.update(rollout_agreement(samples, generations, correction.rollout_is, correction.rollout_is_threshold, parallel))
         with timer("update_weights"):
-            sync_weights(self.actor.model, self.engine, config.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20)
+            self.sync_weights()
         response_advantages = [float(a[g.mask > 0].mean()) for a, g in zip(advantages, generations)]
         prompts = [g.prompt for g in groups]
         metrics.update(step_metrics(prompts, generations, scores, token_rewards, response_advantages, config.actor_rollout_ref.rollout.n, parallel))
         return StepResult(groups, response_advantages, metrics)
+
+    def sync_weights(self) -> None:
+        sync_weights(self.actor.model, self.engine, self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20)
 
 
 def run_grpo(config: GRPOConfig) -> None:
@@ -131,7 +134,7 @@ def run_grpo(config: GRPOConfig) -> None:
     scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config))
     step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, tokenizer.pad_token_id)
     engine = step_once.engine
-    sync_weights(run.model, engine, config.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20)  # the resumed weights
+    step_once.sync_weights()  # the resumed weights, before the first rollout
     val_kwargs, rollout = config.actor_rollout_ref.rollout.val_kwargs, config.actor_rollout_ref.rollout
 
     def validate() -> dict[str, float]:
@@ -146,25 +149,33 @@ def run_grpo(config: GRPOConfig) -> None:
             timer = StepTimer(step)
             with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank):
                 result = step_once(timer)
-            groups, metrics = result.groups, result.metrics
-            if config.actor_rollout_ref.actor.use_kl_loss:
-                metrics["actor/kl_coef"] = config.actor_rollout_ref.actor.kl_loss_coef
             if val and run.due(step, trainer.test_freq):
                 with timer("testing"):
-                    metrics.update(validate())
-            timer.seconds["step"] = timer.elapsed()
-            metrics.update({f"timing_s/{k}": max_over_ranks(v, parallel.device) for k, v in timer.seconds.items()})
-            metrics["perf/throughput"] = metrics.pop("perf/tokens") / parallel.world_size / timer.seconds["step"]
-            metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device)
-            scored = [s for g in groups for s in g.scored]
-            if trainer.rollout_data_dir:
-                dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], scored, result.response_advantages, rollout.n, parallel)
-            history.append({"step": step, **metrics})
-            if run.due(step, trainer.plot_freq):
-                lengths = [len(generation.response_ids) for g in groups for generation in g.generations]
-                plot(history, lengths, os.path.join(trainer.default_local_dir, "plots"), run.logger, parallel, step)
+                    result.metrics.update(validate())
+            metrics = record_step(step, result, timer, history, config, run)
             run.end_step(step, metrics, score=f"{metrics['critic/score/mean']:.3f}", length=f"{metrics['response_length/mean']:.0f}")
     run.finish(shutdown=engine.shutdown)
+
+
+def record_step(step: int, result: StepResult, timer: StepTimer, history: list[dict], config: GRPOConfig, run: Run) -> dict[str, float]:
+    """The step's metrics completed (timings, throughput, memory; added to `history`), its rollouts dumped at
+    trainer.rollout_data_dir, and the plots drawn at trainer.plot_freq."""
+    parallel, trainer, metrics, groups = run.parallel, config.trainer, result.metrics, result.groups
+    if config.actor_rollout_ref.actor.use_kl_loss:
+        metrics["actor/kl_coef"] = config.actor_rollout_ref.actor.kl_loss_coef
+    timer.seconds["step"] = timer.elapsed()
+    metrics.update({f"timing_s/{k}": max_over_ranks(v, parallel.device) for k, v in timer.seconds.items()})
+    metrics["perf/throughput"] = metrics.pop("perf/tokens") / parallel.world_size / timer.seconds["step"]
+    metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device)
+    if trainer.rollout_data_dir:
+        scored = [s for g in groups for s in g.scored]
+        dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], scored, result.response_advantages,
+                      config.actor_rollout_ref.rollout.n, parallel)
+    history.append({"step": step, **metrics})
+    if run.due(step, trainer.plot_freq):
+        lengths = [len(generation.response_ids) for g in groups for generation in g.generations]
+        plot(history, lengths, os.path.join(trainer.default_local_dir, "plots"), run.logger, parallel, step)
+    return metrics
 
 
 def load_rl_prompts(config: GRPOConfig, files: list[str], tokenizer, key: str) -> list:
