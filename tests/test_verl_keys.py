@@ -89,6 +89,8 @@ def test_keys_added_with_a_plus_are_checked_like_the_others():
 def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass():
     assert translate(["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "trainer.critic_warmup=0", "actor_rollout_ref.rollout.mode=sync",
                       "trainer.default_hdfs_dir=null"], "grpo", 2) == ([], [])
+    _, problems = translate(["trainer.critic_warmup=@5", "actor_rollout_ref.model.use_liger=`yes`"], "grpo", 1)  # not YAML: named, no crash
+    assert problems == ["trainer.critic_warmup=@5: PPO with a critic is not built yet; there is no critic to warm up"]
     _, problems = translate(["critic.ppo_micro_batch_size_per_gpu=4"], "grpo", 1)
     assert problems == ["critic.ppo_micro_batch_size_per_gpu=4: PPO with a critic is not built yet; use a group estimator "
                         "(algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus) and remove the critic.* keys"]

@@ -52,6 +52,14 @@ def entry_of(key: str, table: dict[str, dict[str, Any]]) -> dict[str, Any] | Non
     return None
 
 
+def hydra_value(text: str) -> Any:
+    """An override's value as Hydra reads it (YAML: `0`, `null`, `sync`), or the text itself where it is not YAML."""
+    try:
+        return yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        return text
+
+
 def note(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"fsdptrain: {message}", file=sys.stderr)
@@ -74,7 +82,6 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
             kept.append(f"{key}={value}")
             continue
         entry = entry_of(key, table)
-        parsed = yaml.safe_load(value) if value else None
         if entry is None:
             close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
             problems.append(f"{key}: not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""))
@@ -83,10 +90,10 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
             kept.append(f"{entry['mapped']}={value}")
         elif "accepted" in entry:
             note(f"{key}={value} changes nothing here: {' '.join(str(entry['accepted']).split())}")
-        elif "refused" in entry and ("unless" not in entry or parsed != entry["unless"]):
+        elif "refused" in entry and ("unless" not in entry or hydra_value(value) != entry["unless"]):
             problems.append(f"{key}={value}: {' '.join(str(entry['refused']).split())}")
         elif entry.get("world_size"):
-            shape[key.rsplit(".", 1)[1]] = parsed
+            shape[key.rsplit(".", 1)[1]] = hydra_value(value)
     if "nnodes" in shape or "n_gpus_per_node" in shape:
         nodes, per_node = shape.get("nnodes", 1), shape.get("n_gpus_per_node", world_size)
         if not (isinstance(nodes, int) and isinstance(per_node, int)) or nodes * per_node != world_size:
