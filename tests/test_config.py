@@ -107,7 +107,7 @@ def grpo_config(*overrides):
         (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "loss_mode must be one of vanilla|gspo"),
         (["actor_rollout_ref.actor.loss_agg_mode=token-sum"], "loss_agg_mode must be one of"),
         (["actor_rollout_ref.actor.kl_loss_type=k9+"], "kl_loss_type must be one of"),
-        (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator must be one of"),
+        (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator must be one of"),
         (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr must be > 0"),
         (["actor_rollout_ref.actor.use_dynamic_bsz=true"], "actor_rollout_ref.actor.ppo_max_token_len_per_gpu is required"),
         (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=600"], r"overlong_buffer.len must be in \(0, data"),

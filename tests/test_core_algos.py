@@ -158,3 +158,79 @@ def test_kl_controllers_by_hand():
     restored = core_algos.KLController("adaptive", 0.1, target=0.05, horizon=100)
     restored.load_state_dict(adaptive.state_dict())
     assert restored.value == adaptive.value
+
+
+def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
+    """verl's compute_gae_advantage_return over a padded (batch, tokens) batch, as its core_algos writes it:
+    observation tokens (mask 0) keep the next value and advantage; then masked whitening (unbiased variance)."""
+    nextvalues, lastgaelam, reversed_advantages = 0, 0, []
+    for t in reversed(range(token_level_rewards.shape[-1])):
+        delta = token_level_rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = values[:, t] * response_mask[:, t] + (1 - response_mask[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * response_mask[:, t] + (1 - response_mask[:, t]) * lastgaelam
+        reversed_advantages.append(lastgaelam)
+    advantages = torch.stack(reversed_advantages[::-1], dim=1)
+    returns = advantages + values
+    valid = advantages[response_mask.bool()]
+    whitened = (advantages - valid.mean()) * torch.rsqrt(valid.var() + 1e-8)
+    return whitened * response_mask, returns
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_equals_verls_on_random_padded_batches_with_tool_tokens(gamma, lam):
+    """Responses of different lengths (padding after the end), some with a run of tool tokens (mask 0) inside;
+    the reward on the last generated token. One response at a time here, whitened over the batch's sums."""
+    g = torch.Generator().manual_seed(3)
+    lengths, width = [7, 4, 9, 1], 9
+    rewards, values, mask = torch.zeros(4, width), torch.randn(4, width, generator=g), torch.zeros(4, width)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+        if length > 5:
+            mask[row, 2:4] = 0  # a tool's tokens between two turns
+        rewards[row, length - 1] = float(torch.rand((), generator=g))
+    expected_advantages, expected_returns = verl_gae(rewards, values, mask, gamma, lam)
+    per_row = [core_algos.gae_advantages_returns(rewards[r, :n], values[r, :n], mask[r, :n], gamma, lam) for r, n in enumerate(lengths)]
+    flat = torch.cat([a for a, _ in per_row])
+    flat_mask = torch.cat([mask[r, :n] for r, n in enumerate(lengths)])
+    total, squares, count = float((flat * flat_mask).sum()), float((flat.square() * flat_mask).sum()), float(flat_mask.sum())
+    for row, (n, (advantages, returns)) in enumerate(zip(lengths, per_row)):
+        whitened = core_algos.masked_whiten(advantages, mask[row, :n], total, squares, count)
+        torch.testing.assert_close(whitened, expected_advantages[row, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(returns * mask[row, :n], expected_returns[row, :n] * mask[row, :n], rtol=1e-6, atol=1e-6)
+
+
+def test_gae_by_hand():
+    """Two tokens, reward 1 on the last, V = (0.5, 0.2), gamma 0.9, lambda 0.5: delta = (0 + 0.9 * 0.2 - 0.5,
+    1 - 0.2) = (-0.32, 0.8); A = (-0.32 + 0.45 * 0.8, 0.8) = (0.04, 0.8); returns A + V = (0.54, 1.0)."""
+    advantages, returns = core_algos.gae_advantages_returns(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.2]), torch.ones(2), 0.9, 0.5)
+    torch.testing.assert_close(advantages, torch.tensor([0.04, 0.8]))
+    torch.testing.assert_close(returns, torch.tensor([0.54, 1.0]))
+
+
+def verl_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode):
+    """verl's compute_value_loss: the clipped squared error, aggregated, halved; and the clip fraction."""
+    vpredclipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)
+    vf_losses1, vf_losses2 = (vpreds - returns) ** 2, (vpredclipped - returns) ** 2
+    clipped = torch.max(vf_losses1, vf_losses2)
+    if loss_agg_mode == "token-mean":
+        loss = (clipped * response_mask).sum() / response_mask.sum()
+    else:  # seq-mean-token-mean
+        loss = ((clipped * response_mask).sum(-1) / response_mask.sum(-1)).mean()
+    clipfrac = ((vf_losses2 > vf_losses1).float() * response_mask).sum() / response_mask.sum()
+    return 0.5 * loss, clipfrac
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_value_loss_equals_verls(mode):
+    g = torch.Generator().manual_seed(5)
+    vpreds, returns, values = (torch.randn(3, 6, generator=g) for _ in range(3))
+    mask = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2, [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    expected_loss, expected_clipfrac = verl_value_loss(vpreds, returns, values, mask, 0.2, mode)
+    per_token, clipped = core_algos.value_loss(vpreds.flatten(), values.flatten(), returns.flatten(), mask.flatten(), 0.2)
+    sequence_tokens = mask.sum(-1, keepdim=True).expand(3, 6).flatten()
+    loss = core_algos.agg_loss(per_token, mask.flatten(), sequence_tokens, mode, global_tokens=float(mask.sum()), global_sequences=3.0,
+                               max_response_length=6)
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(clipped.sum() / mask.sum(), expected_clipfrac)
+    assert 0 < float(expected_clipfrac) < 1  # both branches of the clip are exercised

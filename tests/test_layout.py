@@ -65,7 +65,7 @@ def test_allowed_names_come_from_the_dispatch_tables():
     assert grpo.POLICY_LOSSES == tuple(core_algos.POLICY_LOSS)
     assert grpo.LOSS_AGG_MODES == tuple(core_algos.LOSS_AGG)
     assert grpo.KL_ESTIMATORS == tuple(core_algos.KL_PENALTY)
-    assert set(grpo.ADVANTAGE_ESTIMATORS) == set(core_algos.GROUP_ADVANTAGE) | set(core_algos.TOKEN_ADVANTAGE)
+    assert set(grpo.ADVANTAGE_ESTIMATORS) == set(core_algos.GROUP_ADVANTAGE) | set(core_algos.TOKEN_ADVANTAGE) | set(core_algos.CRITIC_ADVANTAGE)
     assert grpo.ENGINES is rollout.ENGINES and grpo.FILTER_KEYS is sampling.FILTER_KEYS
 
 

@@ -58,14 +58,14 @@ def test_verls_example_loads_with_every_key_accepted_or_mapped(tmp_path, capsys)
 
 
 def test_every_mistake_of_a_command_line_is_reported_at_once():
-    overrides, problems = translate(["data.train_filez=a.parquet", "actor_rollout_ref.actor.ppo_mini_batchsize=8", "trainer.critic_warmup=5",
+    overrides, problems = translate(["data.train_filez=a.parquet", "actor_rollout_ref.actor.ppo_mini_batchsize=8", "critic.model.lora_rank=8",
                                      "trainer.nnodes=1", "trainer.n_gpus_per_node=8", "data.truncation=middle",
                                      "actor_rollout_ref.actor.clip_ratio_c=0.5"], "grpo", world_size=2)
     assert problems == [
         "data.train_filez: not a key of fsdptrain's grpo_trainer.yaml (did you mean data.train_files?)",
         "actor_rollout_ref.actor.ppo_mini_batchsize: not a key of fsdptrain's grpo_trainer.yaml (did you mean "
         "actor_rollout_ref.actor.ppo_mini_batch_size?)",
-        "trainer.critic_warmup=5: PPO with a critic is not built yet; there is no critic to warm up",
+        "critic.model.lora_rank=8: LoRA is not built yet; train the critic's full weights (remove the key)",
         "trainer.nnodes (1) x trainer.n_gpus_per_node (8) must equal the number of processes torchrun started (2): launch with "
         "--nnodes=1 --nproc_per_node=8, or fix the keys",
     ]
@@ -87,13 +87,12 @@ def test_keys_added_with_a_plus_are_checked_like_the_others():
 
 
 def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass():
-    assert translate(["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "trainer.critic_warmup=0", "actor_rollout_ref.rollout.mode=sync",
+    assert translate(["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "critic.model.lora_rank=0", "actor_rollout_ref.rollout.mode=sync",
                       "trainer.default_hdfs_dir=null"], "grpo", 2) == ([], [])
-    _, problems = translate(["trainer.critic_warmup=@5", "actor_rollout_ref.model.use_liger=`yes`"], "grpo", 1)  # not YAML: named, no crash
-    assert problems == ["trainer.critic_warmup=@5: PPO with a critic is not built yet; there is no critic to warm up"]
-    _, problems = translate(["critic.ppo_micro_batch_size_per_gpu=4"], "grpo", 1)
-    assert problems == ["critic.ppo_micro_batch_size_per_gpu=4: PPO with a critic is not built yet; use a group estimator "
-                        "(algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus) and remove the critic.* keys"]
+    _, problems = translate(["critic.model.lora_rank=@5", "actor_rollout_ref.model.use_liger=`yes`"], "grpo", 1)  # not YAML: named, no crash
+    assert problems == ["critic.model.lora_rank=@5: LoRA is not built yet; train the critic's full weights (remove the key)"]
+    _, problems = translate(["critic.ppo_micro_batch_size=64"], "grpo", 1)
+    assert problems == ["critic.ppo_micro_batch_size=64: a global micro-batch size is not taken; use critic.ppo_micro_batch_size_per_gpu"]
     overrides, problems = translate(["model.fsdp_config.offload_params=true", "trainer.nnodes=2"], "sft", 2)
     assert overrides == ["model.fsdp_config.cpu_offload=true"] and "trainer.nnodes (2) x trainer.n_gpus_per_node (2)" in problems[0]
 

@@ -3,6 +3,7 @@
     {root}/latest_checkpointed_iteration.txt   the last complete step, written atomically after the rename
     {root}/global_step_{N}/meta.json            step, contents, world size
                           model/ optimizer/     torch.distributed.checkpoint shards (reshardable)
+                          {companion}/model/ ... a companion's (a PPO critic's) model and optimizer, likewise
                           extra/                the trainer's state objects (scheduler, data position, ...)
                                                 and config (state.pt), RNG per rank
                           huggingface/          config, tokenizer, and safetensors weights with hf_model
@@ -16,6 +17,7 @@ import os
 import random
 import re
 import shutil
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -94,8 +96,10 @@ class Stateful(Protocol):
 
 
 class CheckpointManager:
-    """Checkpoints of one trained model and its optimizer, plus the trainer's `states` (the LR scheduler, a data
-    position, a KL controller: anything with state_dict/load_state_dict), saved by rank 0 under their names."""
+    """Checkpoints of one trained model and its optimizer, of its `companions` (other trained models with their
+    optimizers, by name: a PPO critic), plus the trainer's `states` (the LR schedules, a data position, a KL
+    controller: anything with state_dict/load_state_dict), saved by rank 0 under their names. The Hugging Face
+    export is the trained model's."""
 
     def __init__(
         self,
@@ -107,6 +111,7 @@ class CheckpointManager:
         model_dtype: str,
         states: dict[str, Stateful],
         run_config: dict,
+        companions: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
     ):
         self.config = config
         self.root = config.default_local_dir
@@ -116,6 +121,7 @@ class CheckpointManager:
         self.tokenizer = tokenizer
         self.model_dtype = model_dtype
         self.states = states
+        self.sharded = {"": (model, optimizer), **(companions or {})}  # folder prefix -> (model, optimizer)
         self.run_config = run_config
         self.save_contents = list(config.checkpoint.save_contents)
         self.load_contents = list(config.checkpoint.load_contents or self.save_contents)
@@ -154,11 +160,12 @@ class CheckpointManager:
             os.makedirs(os.path.join(tmp, "extra"))
 
         self._run_on_main(prepare)
-        if "model" in self.save_contents:
-            self._run_everywhere(lambda: dcp.save(get_model_state_dict(self.model), checkpoint_id=os.path.join(tmp, "model")))
-        if "optimizer" in self.save_contents:
-            state = get_optimizer_state_dict(self.model, self.optimizer)
-            self._run_everywhere(lambda: dcp.save(state, checkpoint_id=os.path.join(tmp, "optimizer")))
+        for prefix, (model, optimizer) in self.sharded.items():
+            if "model" in self.save_contents:
+                self._run_everywhere(partial(dcp.save, get_model_state_dict(model), checkpoint_id=os.path.join(tmp, prefix, "model")))
+            if "optimizer" in self.save_contents:
+                state = get_optimizer_state_dict(model, optimizer)
+                self._run_everywhere(partial(dcp.save, state, checkpoint_id=os.path.join(tmp, prefix, "optimizer")))
         if "extra" in self.save_contents:
             self._run_everywhere(lambda: torch.save(_rng_state(), os.path.join(tmp, "extra", f"rng_rank{self.parallel.rank}.pt")))
             extra = {
@@ -185,6 +192,7 @@ class CheckpointManager:
             meta = {
                 "global_step": step,
                 "contents": self.save_contents,
+                "companions": sorted(name for name in self.sharded if name),
                 "world_size": self.parallel.world_size,
                 "model_dtype": self.model_dtype,
             }
@@ -241,6 +249,10 @@ class CheckpointManager:
             raise ConfigError(
                 f"trainer.checkpoint.load_contents asks for {missing}, but {path} holds only {meta['contents']}"
             )
+        companions = sorted(name for name in self.sharded if name)
+        if {"model", "optimizer"} & set(self.load_contents) and companions != meta.get("companions", []):
+            raise ConfigError(f"checkpoint {path} holds the trained models {['actor', *meta.get('companions', [])]}, this run trains "
+                              f"{['actor', *companions]}: resume a run of the same algorithm (a critic comes with algorithm.adv_estimator=gae)")
 
     def resume(self) -> int:
         """Load the checkpoint that resume_mode selects; returns the step to continue from (0 if none)."""
@@ -249,14 +261,15 @@ class CheckpointManager:
             return 0
         meta = read_meta(path)
         self._check_compatible(path, meta)
-        if "model" in self.load_contents:
-            state = get_model_state_dict(self.model)
-            dcp.load(state, checkpoint_id=os.path.join(path, "model"))
-            set_model_state_dict(self.model, state)
-        if "optimizer" in self.load_contents:
-            state = get_optimizer_state_dict(self.model, self.optimizer)
-            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
-            set_optimizer_state_dict(self.model, self.optimizer, state)
+        for prefix, (model, optimizer) in self.sharded.items():
+            if "model" in self.load_contents:
+                state = get_model_state_dict(model)
+                dcp.load(state, checkpoint_id=os.path.join(path, prefix, "model"))
+                set_model_state_dict(model, state)
+            if "optimizer" in self.load_contents:
+                state = get_optimizer_state_dict(model, optimizer)
+                dcp.load(state, checkpoint_id=os.path.join(path, prefix, "optimizer"))
+                set_optimizer_state_dict(model, optimizer, state)
         if "extra" not in self.load_contents:
             return 0
         extra = torch.load(os.path.join(path, "extra", "state.pt"), weights_only=False)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from fsdptrain.config.base import check_all, one_of, positive, to_typed
 from fsdptrain.config.shared import (
     FSDPConfig,
+    LanguageModelConfig,
     MicroBatching,
     ModelConfig,
     OptimConfig,
@@ -28,11 +29,11 @@ from fsdptrain.config.shared import (
     validate_trainer,
 )
 from fsdptrain.errors import ConfigError
-from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, CRITIC_ADVANTAGE, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from fsdptrain.rl.rollout import ENGINES
 from fsdptrain.rl.sampling import FILTER_KEYS
 
-ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+ACTOR, ROLLOUT, CRITIC = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 
 
 @dataclass
@@ -49,7 +50,7 @@ class RLDataConfig:
 
 
 @dataclass
-class RLModelConfig(ModelConfig):
+class RLModelConfig(LanguageModelConfig):
     path: str
     use_remove_padding: bool
     share_prompts: bool
@@ -180,6 +181,51 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
+class CriticModelConfig(ModelConfig):
+    path: str
+    use_remove_padding: bool
+    share_prompts: bool
+    fsdp_config: FSDPConfig
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None
+    optim: OptimConfig
+    model: CriticModelConfig
+    ppo_mini_batch_size: int
+    ppo_micro_batch_size_per_gpu: int
+    forward_micro_batch_size_per_gpu: int
+    use_dynamic_bsz: bool | None
+    ppo_max_token_len_per_gpu: int | None
+    forward_max_token_len_per_gpu: int | None
+    ulysses_sequence_parallel_size: int
+    ppo_epochs: int
+    shuffle: bool
+    grad_clip: float
+    cliprange_value: float
+    loss_agg_mode: str
+
+
+def validate_critic(critic: CriticConfig) -> None:
+    validate_model(critic.model, f"{CRITIC}.model")
+    validate_fsdp(critic.model.fsdp_config, f"{CRITIC}.model.fsdp_config")
+    validate_optim(critic.optim, f"{CRITIC}.optim")
+    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "forward_micro_batch_size_per_gpu", "ppo_epochs", "grad_clip",
+                "cliprange_value"):
+        positive(f"{CRITIC}.{key}", getattr(critic, key))
+    one_of(f"{CRITIC}.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
+
+
+def check_critic_mesh(critic: CriticConfig, actor_sp_size: int) -> None:
+    validate_sequence_parallel(critic.ulysses_sequence_parallel_size, critic.model.use_remove_padding, f"{CRITIC}.ulysses_sequence_parallel_size",
+                               f"{CRITIC}.model.use_remove_padding")
+    if critic.ulysses_sequence_parallel_size != actor_sp_size:
+        raise ConfigError(f"{CRITIC}.ulysses_sequence_parallel_size ({critic.ulysses_sequence_parallel_size}) must equal "
+                          f"{ACTOR}.ulysses_sequence_parallel_size ({actor_sp_size}): the run has one data x sequence parallel mesh")
+
+
+@dataclass
 class KLControlConfig:
     type: str
     kl_coef: float
@@ -205,6 +251,7 @@ class AlgorithmConfig:
     adv_estimator: str
     norm_adv_by_std_in_grpo: bool
     gamma: float
+    lam: float
     use_kl_in_reward: bool
     kl_penalty: str
     kl_ctrl: KLControlConfig
@@ -217,6 +264,9 @@ def validate_algorithm(algorithm: AlgorithmConfig, rollout: RolloutConfig, use_k
     if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} compares responses of one prompt: "
                           f"{ROLLOUT}.n must be >= 2, got {rollout.n}")
+    for key in ("gamma", "lam"):
+        if not 0 <= getattr(algorithm, key) <= 1:
+            raise ConfigError(f"algorithm.{key} must be in [0, 1], got {getattr(algorithm, key)}")
     if algorithm.use_kl_in_reward:
         one_of("algorithm.kl_penalty", algorithm.kl_penalty.rstrip("+"), KL_ESTIMATORS)
         one_of("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ("fixed", "adaptive"))
@@ -290,10 +340,13 @@ class GRPOTrainerConfig(TrainerConfig):
     val_before_train: bool
     rollout_data_dir: str | None
     plot_freq: int
+    critic_warmup: int
 
 
 def validate_grpo_trainer(trainer: GRPOTrainerConfig) -> None:
     validate_trainer(trainer)
+    if trainer.critic_warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
     if trainer.plot_freq == 0 or trainer.plot_freq < -1:
         raise ConfigError(f"trainer.plot_freq must be -1 (at the end only) or > 0, got {trainer.plot_freq}")
 
@@ -302,6 +355,7 @@ def validate_grpo_trainer(trainer: GRPOTrainerConfig) -> None:
 class GRPOConfig:
     data: RLDataConfig
     actor_rollout_ref: ActorRolloutRefConfig
+    critic: CriticConfig
     algorithm: AlgorithmConfig
     custom_reward_function: CustomRewardConfig
     reward: RewardConfig
@@ -312,21 +366,39 @@ class GRPOConfig:
     def sequence_length(self) -> int:
         return self.data.max_prompt_length + self.data.max_response_length
 
+    @property
+    def uses_critic(self) -> bool:
+        """critic.enable, or where it is null, whether the advantage estimator needs a critic."""
+        enable = self.critic.enable
+        return self.algorithm.adv_estimator in CRITIC_ADVANTAGE if enable is None else enable
+
     def micro_batching(self, size: int, size_key: str) -> MicroBatching:
-        """Forward passes of `size` sequences, or (use_dynamic_bsz=null, packed rows) a token budget worth `size`
-        sequences of the longest length: every RL loss here divides by the mini-batch's global counts, so the cut
-        never changes it."""
+        """The actor's forward passes: `size` sequences, or (use_dynamic_bsz=null, packed rows) a token budget
+        worth `size` sequences of the longest length: every RL loss here divides by the mini-batch's global
+        counts, so the cut never changes it."""
         actor = self.actor_rollout_ref.actor
-        dynamic, max_tokens = actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+        return self.batching(size, size_key, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{ACTOR}.ppo_max_token_len_per_gpu",
+                             self.actor_rollout_ref.model.use_remove_padding, ACTOR)
+
+    def batching(self, size: int, size_key: str, dynamic: bool | None, max_tokens: int | None, max_tokens_key: str, packed: bool,
+                 prefix: str) -> MicroBatching:
         if dynamic is None:
-            dynamic = self.actor_rollout_ref.model.use_remove_padding
+            dynamic = packed
             if dynamic and max_tokens is None:
                 max_tokens = size * self.sequence_length
-        return MicroBatching(size, dynamic, max_tokens, size_key, f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_gpu")
+        return MicroBatching(size, dynamic, max_tokens, size_key, f"{prefix}.use_dynamic_bsz", max_tokens_key)
 
     @property
     def update_batching(self) -> MicroBatching:
         return self.micro_batching(self.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+
+    def critic_batching(self, forward: bool) -> MicroBatching:
+        """The critic's forward passes: of its values (`forward`), or of its update."""
+        critic = self.critic
+        size_key = "forward_micro_batch_size_per_gpu" if forward else "ppo_micro_batch_size_per_gpu"
+        tokens_key = "forward_max_token_len_per_gpu" if forward else "ppo_max_token_len_per_gpu"
+        return self.batching(getattr(critic, size_key), f"{CRITIC}.{size_key}", critic.use_dynamic_bsz, getattr(critic, tokens_key),
+                             f"{CRITIC}.{tokens_key}", critic.model.use_remove_padding, CRITIC)
 
 
 def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfig:
@@ -345,6 +417,10 @@ def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfi
         lambda: validate_rollout(rollout, actor.ulysses_sequence_parallel_size),
         lambda: positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
         lambda: validate_algorithm(config.algorithm, rollout, actor.use_kl_loss),
+        *([lambda: validate_critic(config.critic), lambda: check_critic_mesh(config.critic, actor.ulysses_sequence_parallel_size),
+           lambda: check_critic_batches(config)]
+          if config.uses_critic else []),
+        lambda: check_critic_estimator(config),
         lambda: validate_reward_model(config.reward_model, data.max_response_length),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: setattr(config, "custom_reward_function", resolve_reward_function(config.custom_reward_function,
@@ -353,9 +429,27 @@ def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfi
     return config
 
 
-def check_mini_batches(train_batch_size: int, mini_batch_size: int) -> None:
+def check_mini_batches(train_batch_size: int, mini_batch_size: int, key: str = f"{ACTOR}.ppo_mini_batch_size") -> None:
     if train_batch_size % mini_batch_size:
-        raise ConfigError(f"data.train_batch_size ({train_batch_size}) must be divisible by {ACTOR}.ppo_mini_batch_size ({mini_batch_size})")
+        raise ConfigError(f"data.train_batch_size ({train_batch_size}) must be divisible by {key} ({mini_batch_size})")
+
+
+def check_critic_batches(config: GRPOConfig) -> None:
+    check_mini_batches(config.data.train_batch_size, config.critic.ppo_mini_batch_size, f"{CRITIC}.ppo_mini_batch_size")
+    for forward in (False, True):
+        validate_micro_batching(config.critic_batching(forward), config.sequence_length, "data.max_prompt_length + data.max_response_length")
+
+
+def check_critic_estimator(config: GRPOConfig) -> None:
+    estimator = config.algorithm.adv_estimator
+    if estimator in CRITIC_ADVANTAGE and not config.uses_critic:
+        raise ConfigError(f"algorithm.adv_estimator={estimator} needs the critic's values: remove critic.enable=false")
+    if config.uses_critic and estimator not in CRITIC_ADVANTAGE:
+        raise ConfigError(f"critic.enable=true with algorithm.adv_estimator={estimator}: that estimator does not use the critic's "
+                          f"values; use algorithm.adv_estimator={'|'.join(CRITIC_ADVANTAGE)}, or remove critic.enable")
+    if config.trainer.critic_warmup and not config.uses_critic:
+        raise ConfigError(f"trainer.critic_warmup={config.trainer.critic_warmup} without a critic (algorithm.adv_estimator={estimator}, "
+                          f"critic.enable={config.critic.enable}): there is nothing to warm up")
 
 
 def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int) -> None:
@@ -368,11 +462,13 @@ def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int) -> None:
     if data.train_batch_size % dp_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
                           "each rank generates for whole prompts")
-    if actor.ppo_mini_batch_size % dp_size:
-        raise ConfigError(f"{ACTOR}.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) must be divisible by the "
-                          f"data-parallel size ({dp_size})")
-    per_rank = actor.ppo_mini_batch_size // dp_size * n
-    batching = config.update_batching
-    if not batching.dynamic and per_rank % actor.ppo_micro_batch_size_per_gpu:
-        raise ConfigError(f"ppo_mini_batch_size / dp * n = {per_rank} sequences per rank must be divisible by "
-                          f"{ACTOR}.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu})")
+    layouts = [(ACTOR, actor.ppo_mini_batch_size, config.update_batching)]
+    if config.uses_critic:
+        layouts.append((CRITIC, config.critic.ppo_mini_batch_size, config.critic_batching(forward=False)))
+    for prefix, mini_batch_size, batching in layouts:
+        if mini_batch_size % dp_size:
+            raise ConfigError(f"{prefix}.ppo_mini_batch_size ({mini_batch_size}) must be divisible by the data-parallel size ({dp_size})")
+        per_rank = mini_batch_size // dp_size * n
+        if not batching.dynamic and per_rank % batching.size:
+            raise ConfigError(f"{prefix}.ppo_mini_batch_size / dp * n = {per_rank} sequences per rank must be divisible by "
+                              f"{batching.size_key} ({batching.size})")

@@ -9,8 +9,8 @@ from omegaconf import DictConfig
 from fsdptrain.config.base import check_all, positive, to_typed
 from fsdptrain.config.shared import (
     FSDPConfig,
+    LanguageModelConfig,
     MicroBatching,
-    ModelConfig,
     OptimConfig,
     TrainerConfig,
     validate_data_files,
@@ -56,7 +56,7 @@ def validate_data(data: DataConfig) -> None:
 
 
 @dataclass
-class SFTModelConfig(ModelConfig):
+class SFTModelConfig(LanguageModelConfig):
     partial_pretrain: str
     strategy: str
     fsdp_config: FSDPConfig

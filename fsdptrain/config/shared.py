@@ -34,17 +34,23 @@ def validate_fsdp(fsdp: FSDPConfig, prefix: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """How a model is built and its loss computed; the path and the FSDP section sit where each trainer keeps them."""
+    """How a model is built; the path and the FSDP section sit where each trainer keeps them."""
 
     trust_remote_code: bool
     enable_gradient_checkpointing: bool
     attn_implementation: str
+
+
+@dataclass
+class LanguageModelConfig(ModelConfig):
+    """A model trained through its output layer (the policy; SFT's model): how its token losses are computed."""
+
     chunked_loss_tokens: int
 
 
 def validate_model(model: ModelConfig, prefix: str) -> None:
     one_of(f"{prefix}.attn_implementation", model.attn_implementation, ("auto", "sdpa", "eager", "flash_attention_2"))
-    if model.chunked_loss_tokens < 0:
+    if isinstance(model, LanguageModelConfig) and model.chunked_loss_tokens < 0:
         raise ConfigError(f"{prefix}.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
 
 

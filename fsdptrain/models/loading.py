@@ -99,16 +99,18 @@ def tied_embedding_grad_in_place(model: nn.Module) -> bool:
 
 
 def build_model(
-    path: str, config: ModelConfig, fsdp: FSDPConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool, trainable: bool
+    path: str, config: ModelConfig, fsdp: FSDPConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool, trainable: bool,
+    auto_class: type = AutoModelForCausalLM,
 ) -> nn.Module:
     """The sharded model with the pretrained weights of `path`, on `parallel.device` (or CPU with offload).
 
     A frozen model (`trainable=False`, e.g. a reference policy) has no gradients and runs in eval mode; with
-    `fsdp.cpu_offload` its parameters stay in host memory between uses.
+    `fsdp.cpu_offload` its parameters stay in host memory between uses. `auto_class` builds `hf_config` with
+    another head (a critic's value head): weights that `path` lacks are initialized by rank 0 and sent to all.
     """
     dtype = DTYPES[fsdp.model_dtype]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = auto_class.from_config(
             hf_config,
             attn_implementation=attention_implementation(config, packed),
             trust_remote_code=config.trust_remote_code,
@@ -128,7 +130,7 @@ def build_model(
 
     pretrained = None
     if parallel.is_main:
-        pretrained = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=config.trust_remote_code)
+        pretrained = auto_class.from_pretrained(path, config=hf_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=fsdp.cpu_offload)
     set_model_state_dict(model, pretrained.state_dict() if pretrained is not None else {}, options=options)
     reference_buffers = dict(pretrained.named_buffers()) if pretrained is not None else {}

@@ -166,7 +166,8 @@ def supports_chunking(model: nn.Module) -> bool:
     return not getattr(config, "final_logit_softcapping", None) and getattr(config, "logit_scale", None) in (None, 1.0)
 
 
-def _with_sp(inputs: dict[str, Any], sp_group: ProcessGroup | None) -> dict[str, Any]:
+def with_sp_group(inputs: dict[str, Any], sp_group: ProcessGroup | None) -> dict[str, Any]:
+    """A model's keyword arguments for this rank's slice of a Ulysses group's rows (`sp_group`), or as they are."""
     return inputs if sp_group is None else {**inputs, "sp_group": sp_group}
 
 
@@ -177,7 +178,7 @@ def token_nll_sum(
 
     With `sp_group` the batch is this rank's sequence slice and the sum covers that slice only.
     """
-    inputs = _with_sp(inputs, sp_group)
+    inputs = with_sp_group(inputs, sp_group)
     labels = labels.flatten()
     if chunk_tokens and supports_chunking(model):
         return forward_head(model, inputs, lambda hidden, weight: chunked_cross_entropy_sum(hidden, weight, labels, chunk_tokens))
@@ -200,7 +201,7 @@ def token_log_probs(
 
     `token_rows` gives the row position of each label's position where a packed row shares prompts (the
     micro-batch's `token_rows`); without it the labels are aligned with the flattened batch."""
-    inputs = _with_sp(inputs, sp_group)
+    inputs = with_sp_group(inputs, sp_group)
     labels = labels.flatten()
     rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
     hidden_rows = rows if token_rows is None else token_rows[rows]

@@ -5,7 +5,7 @@ Every loss term of a micro-batch is this rank's share of its mini-batch's loss o
 and sequence counts, so the gradient depends neither on the micro-batch size, the packing nor the number of ranks.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -73,22 +73,23 @@ def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: Mic
     for micro_batch, batch in forward_batches(micro_batches, samples[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], forward.temperature, forward.chunked_loss_tokens,
                                        sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
-        store_token_log_probs(log_probs, micro_batch, batch, forward.packed, parallel, key)
+        store_token_values(log_probs, micro_batch, batch, forward.packed, parallel, key)
 
 
-def store_token_log_probs(log_probs: torch.Tensor, micro_batch: list[Sample] | None, batch: MicroBatch, packed: bool, parallel: Parallel,
-                          key: str) -> None:
-    """A micro-batch's log-probs (a slice of every row under Ulysses: joined here, so every rank of the group
-    calls it) stored on each of its samples as token values `key`, aligned with input_ids."""
+def store_token_values(per_position: torch.Tensor, micro_batch: list[Sample] | None, batch: MicroBatch, packed: bool, parallel: Parallel,
+                       key: str) -> None:
+    """A micro-batch's per-position values (log-probs, a critic's values; each at the position that predicts its
+    token; a slice of every row under Ulysses: joined here, so every rank of the group calls it) stored on each of
+    its samples as token values `key`, aligned with input_ids."""
     if parallel.sp_size > 1:
-        log_probs = gather_sequence(log_probs[None], parallel.ulysses_group)[0]
+        per_position = gather_sequence(per_position[None], parallel.ulysses_group)[0]
     if micro_batch is None:
         return
     width = batch.inputs["input_ids"].shape[1]
     start = 0
     for row, sample in enumerate(micro_batch):
         offset = start if packed else row * width
-        values = log_probs[offset : offset + len(sample)].detach().cpu()
+        values = per_position[offset : offset + len(sample)].detach().cpu()
         sample.token_values[key] = torch.cat([torch.zeros(1), values[:-1]])  # position t predicts token t + 1
         start += len(sample)
 
@@ -104,16 +105,25 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, targets: dict[str, t
     return sums[sequences] / targets["sequence_tokens"].clamp(min=1)
 
 
+def mini_batch_aggregation(mini: list[Sample], agg_mode: str, loss_scale_factor: float | None, max_response_length: int,
+                           parallel: Parallel) -> Callable[..., torch.Tensor]:
+    """core_algos.agg_loss in `agg_mode` over the mini-batch's global token and sequence counts (every
+    data-parallel rank's samples of it): call it with a micro-batch's per-token losses, `mask` and
+    `sequence_tokens`."""
+    local = [sum(float(s.loss_mask[1:].sum()) for s in mini), sum(float(s.loss_mask[1:].any()) for s in mini)]
+    global_tokens, global_sequences = all_reduce_sum(local, parallel.device, parallel.dp_group)
+    return partial(core_algos.agg_loss, mode=agg_mode, global_tokens=global_tokens, global_sequences=global_sequences,
+                   max_response_length=max_response_length, loss_scale_factor=loss_scale_factor)
+
+
 def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBatching, forward: ForwardSettings, loss_settings: LossSettings,
                         parallel: Parallel, first_pass_is_old: bool) -> dict[str, float]:
     """Gradients of one mini-batch's loss (this rank's samples of it), accumulated into the parameters; without
     old log-probs on the samples (`first_pass_is_old`) the forward's own are the old policy's. Returns this rank's
     sums of the per-token metrics and its token count."""
-    local = [sum(float(s.loss_mask[1:].sum()) for s in mini), sum(float(s.loss_mask[1:].any()) for s in mini)]
-    global_tokens, global_sequences = all_reduce_sum(local, parallel.device, parallel.dp_group)
+    aggregate = mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor, loss_settings.max_response_length,
+                                       parallel)
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini)) + 1
-    aggregate = partial(core_algos.agg_loss, mode=loss_settings.agg_mode, global_tokens=global_tokens, global_sequences=global_sequences,
-                        max_response_length=loss_settings.max_response_length, loss_scale_factor=loss_settings.loss_scale_factor)
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
     micro_batches = plan_micro_batches(mini, batching, parallel)
     for micro_batch, batch in forward_batches(micro_batches, mini[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
@@ -123,7 +133,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
                                              with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
         if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
-            store_token_log_probs(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
+            store_token_values(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
         sequence_log_ratio = None
         if loss_settings.loss_mode == "gspo":
             sequence_log_ratio = sequence_mean(log_probs.detach() - old, mask, targets, num_sequences, parallel)
@@ -163,30 +173,37 @@ class PolicyActor:
         compute_log_probs(self.model, samples, self.log_prob_batching, self.forward, self.parallel, key)
 
     def update(self, samples: list[Sample], first_pass_is_old: bool) -> dict[str, float]:
-        """ppo_epochs passes over the mini-batches, each one clipped optimizer step, then one step of the LR
-        schedule; the metrics are token means, and the learning rate the update used. `first_pass_is_old`: the
-        samples carry no old log-probs, the update's first forward is the old policy (one mini-batch, one epoch)."""
-        settings, parallel = self.update_settings, self.parallel
-        lr = self.scheduler.get_last_lr()[0]
-        totals, norms, applied_all = {}, [], True
-        order = list(range(len(samples)))
-        for epoch in range(settings.ppo_epochs):
-            if settings.shuffle:
-                order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(settings.seed + epoch)).tolist()
-            for first in range(0, len(samples), settings.mini_batch_sequences):
-                # sorted: a group's responses side by side, to share their prompt
-                mini = [samples[i] for i in sorted(order[first : first + settings.mini_batch_sequences])]
-                sums = mini_batch_backward(self.model, mini, self.micro_batching, self.forward, self.loss, parallel, first_pass_is_old)
-                for key, value in sums.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                norm, applied = clipped_step(self.model, self.optimizer, settings.grad_clip)
-                norms.append(norm)
-                applied_all &= applied
-        self.scheduler.step()
-        totals = dict(zip(totals, all_reduce_sum(list(totals.values()), parallel.device)))  # per-token sums over sequence slices
-        tokens = max(totals.pop("tokens"), 1.0)
-        metrics = {f"actor/{key}": value / tokens for key, value in totals.items()}
-        metrics["actor/grad_norm"] = sum(norms) / len(norms)
-        metrics["actor/update_skipped"] = float(not applied_all)
-        metrics["actor/lr"] = lr
-        return metrics
+        """The policy's update (`run_update`). `first_pass_is_old`: the samples carry no old log-probs, the
+        update's first forward is the old policy (one mini-batch, one epoch)."""
+        return run_update(samples, self.update_settings, self.model, self.optimizer, self.scheduler, self.parallel, "actor",
+                          lambda mini: mini_batch_backward(self.model, mini, self.micro_batching, self.forward, self.loss, self.parallel,
+                                                           first_pass_is_old))
+
+
+def run_update(samples: list[Sample], settings: UpdateSettings, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+               parallel: Parallel, prefix: str, backward: Callable[[list[Sample]], dict[str, float]]) -> dict[str, float]:
+    """ppo_epochs passes over the samples' mini-batches, each `backward` (which returns its per-token metric sums
+    and their token count) and one clipped optimizer step, then one step of the LR schedule. Returns the metrics
+    as token means over every rank under `prefix`, with the gradient norm and the learning rate the update used."""
+    lr = scheduler.get_last_lr()[0]
+    totals, norms, applied_all = {}, [], True
+    order = list(range(len(samples)))
+    for epoch in range(settings.ppo_epochs):
+        if settings.shuffle:
+            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(settings.seed + epoch)).tolist()
+        for first in range(0, len(samples), settings.mini_batch_sequences):
+            # sorted: a group's responses side by side, to share their prompt
+            sums = backward([samples[i] for i in sorted(order[first : first + settings.mini_batch_sequences])])
+            for key, value in sums.items():
+                totals[key] = totals.get(key, 0.0) + value
+            norm, applied = clipped_step(model, optimizer, settings.grad_clip)
+            norms.append(norm)
+            applied_all &= applied
+    scheduler.step()
+    totals = dict(zip(totals, all_reduce_sum(list(totals.values()), parallel.device)))  # per-token sums over sequence slices
+    tokens = max(totals.pop("tokens"), 1.0)
+    metrics = {f"{prefix}/{key}": value / tokens for key, value in totals.items()}
+    metrics[f"{prefix}/grad_norm"] = sum(norms) / len(norms)
+    metrics[f"{prefix}/update_skipped"] = float(not applied_all)
+    metrics[f"{prefix}/lr"] = lr
+    return metrics

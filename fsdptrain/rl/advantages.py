@@ -1,6 +1,6 @@
 """From scores to per-token advantages: each response's score on its last token, verl's KL penalty in the reward,
-then an estimator of core_algos (a group estimator's value on every token, or REINFORCE++'s returns), whitened
-over every rank where the estimator is."""
+then an estimator of core_algos (a group estimator's value on every token, REINFORCE++'s returns, or GAE from a
+critic's values, with the returns the critic learns), whitened over every rank where the estimator is."""
 
 from collections.abc import Sequence
 
@@ -55,15 +55,32 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
         groups = torch.arange(len(scores)) // n
         per_sequence = core_algos.group_advantages(scores, groups, estimator, norm_by_std)
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
-    if estimator in core_algos.WHITENED_ESTIMATORS:
-        flat, mask = torch.cat(advantages), torch.cat(masks)
-        total, squares, count = all_reduce_sum([float((flat * mask).sum()), float((flat.square() * mask).sum()), float(mask.sum())],
-                                               parallel.device, parallel.dp_group)
-        advantages = [core_algos.masked_whiten(a, m, total, squares, count) for a, m in zip(advantages, masks)]
-    return advantages
+    return whitened(advantages, masks, parallel) if estimator in core_algos.WHITENED_ESTIMATORS else advantages
 
 
-def put_advantages(samples: Sequence[Sample], generations: Sequence[Generation], advantages: Sequence[torch.Tensor]) -> None:
-    """Each response's advantages on its sample, as the token values `advantage` the policy loss reads."""
-    for sample, generation, advantage in zip(samples, generations, advantages):
-        sample.token_values["advantage"] = aligned(advantage, len(generation.prompt_ids))
+def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation], estimator: str,
+                      gamma: float, lam: float, parallel: Parallel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each response's per-token (advantages, returns) by a critic estimator of core_algos from the critic's values
+    (the samples' token values `values`); the advantages whitened over every rank's response tokens, as verl's."""
+    advantages, returns = [], []
+    for reward, sample, generation in zip(token_rewards, samples, generations):
+        values = sample.token_values["values"][len(generation.prompt_ids):]
+        advantage, sample_returns = core_algos.CRITIC_ADVANTAGE[estimator](reward, values, generation.mask, gamma, lam)
+        advantages.append(advantage)
+        returns.append(sample_returns * generation.mask)
+    return whitened(advantages, [g.mask for g in generations], parallel), returns
+
+
+def whitened(advantages: list[torch.Tensor], masks: list[torch.Tensor], parallel: Parallel) -> list[torch.Tensor]:
+    """Advantages whitened with the mean and variance of every rank's response tokens."""
+    flat, mask = torch.cat(advantages), torch.cat(masks)
+    total, squares, count = all_reduce_sum([float((flat * mask).sum()), float((flat.square() * mask).sum()), float(mask.sum())],
+                                           parallel.device, parallel.dp_group)
+    return [core_algos.masked_whiten(a, m, total, squares, count) for a, m in zip(advantages, masks)]
+
+
+def put_token_values(samples: Sequence[Sample], generations: Sequence[Generation], values: Sequence[torch.Tensor], key: str) -> None:
+    """Each response's per-token values on its sample as its token values `key` (the policy loss reads
+    `advantage`, the value loss `returns`)."""
+    for sample, generation, value in zip(samples, generations, values):
+        sample.token_values[key] = aligned(value, len(generation.prompt_ids))

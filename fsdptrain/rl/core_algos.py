@@ -62,9 +62,34 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
 
 # Each token estimator maps one response's per-token rewards and mask to its per-token advantages.
 TOKEN_ADVANTAGE: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {"reinforce_plus_plus": discounted_returns}
-ADVANTAGE_ESTIMATORS = (*GROUP_ADVANTAGE, *TOKEN_ADVANTAGE)
+
+
+def gae_advantages_returns(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                           lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over one response (tokens,), as verl's compute_gae_advantage_return
+    (before its whitening): delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, returns A + V.
+    Tokens off the mask (a tool's, an environment's) are skipped, not reset: they pass the next token's value and
+    advantage through unchanged, so that a turn's advantage reaches across them."""
+    advantages = torch.zeros_like(token_rewards)
+    next_value = torch.zeros((), dtype=values.dtype)
+    next_advantage = torch.zeros((), dtype=values.dtype)
+    for t in reversed(range(len(token_rewards))):
+        delta = token_rewards[t] + gamma * next_value - values[t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(mask[t] > 0, values[t], next_value)
+        next_advantage = torch.where(mask[t] > 0, advantage, next_advantage)
+        advantages[t] = next_advantage
+    return advantages, advantages + values
+
+
+# Each critic estimator maps one response's per-token rewards, the critic's values, its mask, gamma and lambda to
+# its per-token (advantages, returns).
+CRITIC_ADVANTAGE: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": gae_advantages_returns,
+}
+ADVANTAGE_ESTIMATORS = (*GROUP_ADVANTAGE, *TOKEN_ADVANTAGE, *CRITIC_ADVANTAGE)
 GROUP_ESTIMATORS = tuple(GROUP_ADVANTAGE)
-WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # whitened over the whole batch's tokens
+WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")  # whitened over the whole batch's tokens
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, total: float, total_squares: float, count: float, eps: float = 1e-8) -> torch.Tensor:
@@ -131,6 +156,18 @@ def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ra
 
 POLICY_LOSS: dict[str, Callable] = {"vanilla": vanilla_policy_loss, "gspo": gspo_policy_loss}
 POLICY_LOSSES = tuple(POLICY_LOSS)
+
+
+# ---- the critic's loss ---------------------------------------------------------------------------------------------
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's clipped value loss per token, before aggregation: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c)
+    - R)^2), the 0.5 that verl applies after aggregating (every mode is linear). Returns (per-token loss, the mask
+    of tokens where the clipped term was the larger)."""
+    clipped_values = torch.clamp(values, old_values - clip_range, old_values + clip_range)
+    unclipped_loss = (values - returns).square()
+    clipped_loss = (clipped_values - returns).square()
+    return 0.5 * torch.maximum(unclipped_loss, clipped_loss), (clipped_loss > unclipped_loss).float() * mask
 
 
 # ---- rollout correction -------------------------------------------------------------------------------------------

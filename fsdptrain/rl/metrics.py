@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists, max_over_ranks
 from fsdptrain.logging.metrics import MetricLogger
@@ -20,6 +21,28 @@ def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict
     total, count = all_reduce_sum([float(sum(values)), float(len(values))], parallel.device, parallel.dp_group)
     return {f"{name}/mean": total / max(count, 1.0), f"{name}/max": max_over_ranks(max(values, default=-math.inf), parallel.device),
             f"{name}/min": -max_over_ranks(-min(values, default=math.inf), parallel.device)}
+
+
+def critic_metrics(samples: Sequence[Sample], generations: Sequence[Generation], parallel: Parallel) -> dict[str, float]:
+    """verl's critic data metrics over every rank's response tokens: the critic's values before its update, the
+    returns, and the share of the returns' variance that the values explain."""
+    values, returns = ([sample.token_values[key][len(g.prompt_ids):][g.mask > 0] for sample, g in zip(samples, generations)]
+                       for key in ("values", "returns"))
+    values, returns = torch.cat(values).double(), torch.cat(returns).double()
+    count, *sums = all_reduce_sum([float(len(values)), float(values.sum()), float(returns.sum()), float(returns.square().sum()),
+                                   float((returns - values).sum()), float((returns - values).square().sum())], parallel.device, parallel.dp_group)
+    value_sum, return_sum, return_squares, error_sum, error_squares = sums
+
+    def variance(total: float, squares: float) -> float:  # Bessel-corrected, as torch.var
+        return (squares - total**2 / count) / max(count - 1, 1.0)
+
+    metrics = {}
+    for name, tensor, total in (("values", values, value_sum), ("returns", returns, return_sum)):
+        metrics[f"critic/{name}/mean"] = total / max(count, 1.0)
+        metrics[f"critic/{name}/max"] = max_over_ranks(float(tensor.max()) if len(tensor) else -math.inf, parallel.device)
+        metrics[f"critic/{name}/min"] = -max_over_ranks(-float(tensor.min()) if len(tensor) else -math.inf, parallel.device)
+    metrics["critic/vf_explained_var"] = 1.0 - variance(error_sum, error_squares) / (variance(return_sum, return_squares) + 1e-5)
+    return metrics
 
 
 def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], scores: torch.Tensor, token_rewards: list[torch.Tensor],

@@ -1,6 +1,6 @@
-"""GRPO-family training on the shared set-up. A step: draw and score groups of responses, old and reference
-log-probs, rewards and advantages, the clipped policy update over mini-batches, the new weights to the rollout
-engine. Each line of `GRPOStep.__call__` is a call into one of the rl/ components, which this file builds from
+"""GRPO-family training, and PPO with a critic, on the shared set-up. A step: draw and score groups of responses,
+old and reference log-probs, the critic's values (PPO), rewards and advantages, the critic's update (PPO), the
+clipped policy update over mini-batches, the new weights to the rollout engine. Each line of `GRPOStep.__call__` is a call into one of the rl/ components, which this file builds from
 the config once.
 
 Each data-parallel rank generates for whole prompts (train_batch_size / dp of them, `rollout.n` responses each),
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from transformers import AutoModelForTokenClassification
 
 from fsdptrain.config.grpo import GRPOConfig, check_rl_layout
 from fsdptrain.config.shared import MicroBatching
@@ -26,9 +27,10 @@ from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, PolicyActor, UpdateSettings, compute_log_probs
-from fsdptrain.rl.advantages import outcome_rewards, penalize_kl, put_advantages, token_advantages
+from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize_kl, put_token_values, token_advantages
+from fsdptrain.rl.critic import Critic, ValueLossSettings
 from fsdptrain.rl.data import load_prompts
-from fsdptrain.rl.metrics import dump_rollouts, plot, step_metrics
+from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, plot, step_metrics
 from fsdptrain.rl.rewards import OverlongBuffer, Scorer, load_reward_function
 from fsdptrain.rl.rollout import EngineSpec, build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import RolloutEngine
@@ -36,6 +38,7 @@ from fsdptrain.rl.rollout.vllm import EngineSettings
 from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, RolloutRequest, fit_prompts
+from fsdptrain.trainer.optim import build_optimizer, build_scheduler
 from fsdptrain.trainer.runtime import peak_memory_gb
 from fsdptrain.trainer.setup import (
     Run,
@@ -66,6 +69,7 @@ class GRPOStep:
     ref_batching: MicroBatching
     engine: RolloutEngine
     sampler: GroupSampler
+    critic: Critic | None  # PPO's (a critic estimator)
     kl_ctrl: core_algos.KLController | None  # the KL in the reward
     # One mini-batch, one epoch: the old policy is the current one (ratio exactly 1), unless the reward's KL or the
     # rollout correction needs its log-probs before the loss; the engine's agreement metrics can then wait for the
@@ -88,21 +92,34 @@ class GRPOStep:
         if self.reference is not None:
             with timer("ref"):
                 compute_log_probs(self.reference, samples, self.ref_batching, self.actor.forward, parallel, "ref_log_prob")
+        if self.critic is not None:
+            with timer("values"):
+                self.critic.values(samples)
         with timer("reward"):
             scores = torch.tensor([s["seq_reward"] for g in groups for s in g.scored])
             token_rewards = outcome_rewards(scores, generations)
             if self.kl_ctrl is not None:
                 metrics.update(penalize_kl(token_rewards, samples, generations, self.kl_ctrl, algorithm.kl_penalty, parallel))
         with timer("adv"):
-            advantages = token_advantages(token_rewards, generations, config.actor_rollout_ref.rollout.n, algorithm.adv_estimator,
-                                          algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, parallel)
-            put_advantages(samples, generations, advantages)
-        with timer("update_actor"):
-            metrics.update(self.actor.update(samples, first_pass_is_old=self.one_pass))
-        if self.agreement and self.one_pass:  # the old log-probs came from the update's forward
-            metrics.update(rollout_agreement(samples, generations, correction.rollout_is, correction.rollout_is_threshold, parallel))
-        with timer("update_weights"):
-            self.sync_weights()
+            if self.critic is not None:
+                advantages, returns = critic_advantages(token_rewards, samples, generations, algorithm.adv_estimator, algorithm.gamma,
+                                                        algorithm.lam, parallel)
+                put_token_values(samples, generations, returns, "returns")
+            else:
+                advantages = token_advantages(token_rewards, generations, config.actor_rollout_ref.rollout.n, algorithm.adv_estimator,
+                                              algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, parallel)
+            put_token_values(samples, generations, advantages, "advantage")
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(critic_metrics(samples, generations, parallel))
+                metrics.update(self.critic.update(samples))
+        if timer.step > config.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(self.actor.update(samples, first_pass_is_old=self.one_pass))
+            if self.agreement and self.one_pass:  # the old log-probs came from the update's forward
+                metrics.update(rollout_agreement(samples, generations, correction.rollout_is, correction.rollout_is_threshold, parallel))
+            with timer("update_weights"):
+                self.sync_weights()
         response_advantages = [float(a[g.mask > 0].mean()) for a, g in zip(advantages, generations)]
         prompts = [g.prompt for g in groups]
         metrics.update(step_metrics(prompts, generations, scores, token_rewards, response_advantages, config.actor_rollout_ref.rollout.n, parallel))
@@ -128,11 +145,15 @@ def run_grpo(config: GRPOConfig) -> None:
     total_steps = count_steps(trainer, len(train), config.data.train_batch_size, "prompts")
     kl_ctrl = build_kl_controller(config)
     cursor = PromptCursor()
+    critic = build_critic(config, parallel, total_steps, len(tokenizer), tokenizer.pad_token_id) if config.uses_critic else None
+    states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})}
+    if critic is not None:
+        states["critic_scheduler"] = critic.scheduler
     run = open_run(parallel, trainer, model_config.path, model_config, config.actor_rollout_ref.actor.fsdp_config,
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
-                   run_config=asdict(config), states={"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})})
+                   run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None)
     scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config))
-    step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, tokenizer.pad_token_id)
+    step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, critic, tokenizer.pad_token_id)
     engine = step_once.engine
     step_once.sync_weights()  # the resumed weights, before the first rollout
     val_kwargs, rollout = config.actor_rollout_ref.rollout.val_kwargs, config.actor_rollout_ref.rollout
@@ -226,10 +247,33 @@ def loss_settings(config: GRPOConfig) -> LossSettings:
                         config.data.max_response_length)
 
 
+def build_critic(config: GRPOConfig, parallel: Parallel, total_steps: int, vocabulary: int, pad_id: int) -> Critic:
+    """PPO's critic (critic.*): the backbone of critic.model.path with a value head, sharded and trained with
+    its own optimizer and LR schedule."""
+    critic, trainer = config.critic, config.trainer
+    hf_config = load_model_config(critic.model.path, "critic.model.path", critic.model, parallel.sp_size)
+    if hf_config.vocab_size < vocabulary:
+        raise ConfigError(f"critic.model.path={critic.model.path!r} has {hf_config.vocab_size} token embeddings, fewer than the "
+                          f"{vocabulary} tokens of the actor's tokenizer, whose token ids it reads")
+    hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0  # one value per token, and no dropout on it, as verl's critic
+    model = build_sharded_model(critic.model.path, critic.model, critic.model.fsdp_config, hf_config, trainer, parallel,
+                                critic.model.use_remove_padding, trainable=True, auto_class=AutoModelForTokenClassification)
+    model.train()
+    optimizer = build_optimizer(model, critic.optim)
+    forward = ForwardSettings(critic.model.use_remove_padding, critic.model.share_prompts, chunked_loss_tokens=0, temperature=1.0, pad_id=pad_id)
+    loss = ValueLossSettings(critic.cliprange_value, critic.loss_agg_mode, config.actor_rollout_ref.actor.loss_scale_factor,
+                             config.data.max_response_length)
+    update = UpdateSettings(critic.ppo_epochs, critic.ppo_mini_batch_size // parallel.dp_size * config.actor_rollout_ref.rollout.n,
+                            critic.shuffle, trainer.seed, critic.grad_clip)
+    return Critic(model, optimizer, build_scheduler(optimizer, critic.optim, total_steps), parallel, forward, loss, update,
+                  config.critic_batching(forward=False), config.critic_batching(forward=True))
+
+
 def build_step(config: GRPOConfig, run: Run, hf_config, train: list, scorer: Scorer, cursor: PromptCursor,
-               kl_ctrl: core_algos.KLController | None, pad_id: int) -> GRPOStep:
+               kl_ctrl: core_algos.KLController | None, critic: Critic | None, pad_id: int) -> GRPOStep:
     """The step's parts, built with their settings resolved from the config: the actor on the run's model, the
-    reference, the rollout engine (without weights until the first sync) and the sampler that drives it."""
+    reference, the rollout engine (without weights until the first sync) and the sampler that drives it; the
+    critic comes built (its checkpoint was resumed with the run's)."""
     parallel, trainer = run.parallel, config.trainer
     model, actor, rollout, ref = (config.actor_rollout_ref.model, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout,
                                   config.actor_rollout_ref.ref)
@@ -254,4 +298,4 @@ def build_step(config: GRPOConfig, run: Run, hf_config, train: list, scorer: Sco
     one_pass = (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size and kl_ctrl is None
                 and algorithm.rollout_correction.rollout_is is None)
     ref_batching = config.micro_batching(ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
-    return GRPOStep(config, policy, reference, ref_batching, engine, sampler, kl_ctrl, one_pass, agreement)
+    return GRPOStep(config, policy, reference, ref_batching, engine, sampler, critic, kl_ctrl, one_pass, agreement)

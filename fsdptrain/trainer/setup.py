@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdptrain.checkpoint.manager import CheckpointManager, Stateful
 from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_directory
@@ -70,9 +70,11 @@ def build_sharded_model(
     parallel: Parallel,
     packed: bool,
     trainable: bool,
+    auto_class: type = AutoModelForCausalLM,
 ) -> nn.Module:
-    """A sharded model (trained or frozen) with the CPU speed-ups that `trainer.cpu_speedups` switches on."""
-    sharded = build_model(path, model, fsdp, hf_config, parallel, packed, trainable)
+    """A sharded model (trained or frozen; a causal LM, or what `auto_class` builds) with the CPU speed-ups that
+    `trainer.cpu_speedups` switches on."""
+    sharded = build_model(path, model, fsdp, hf_config, parallel, packed, trainable, auto_class)
     host_memory = parallel.device.type == "cpu" or fsdp.cpu_offload
     apply_cpu_speedups(sharded, trainer.cpu_speedups, parallel, host_memory)
     return sharded
@@ -135,14 +137,17 @@ def open_run(
     total_steps: int,
     run_config: dict,
     states: dict[str, Stateful] | None = None,
+    companions: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> Run:
     """Build the trained model, its optimizer and LR schedule, resume the checkpoint that trainer.resume_mode
-    selects (with the trainer's own `states` beside the scheduler), and open the logger and progress bar."""
+    selects (with the trainer's own `states` beside the scheduler, and its `companions`: other trained models
+    with their optimizers), and open the logger and progress bar."""
     trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, packed, trainable=True)
     optimizer = build_optimizer(trained, optim)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     checkpoints = CheckpointManager(
-        trainer, parallel, trained, optimizer, tokenizer, fsdp.model_dtype, {"scheduler": scheduler, **(states or {})}, run_config
+        trainer, parallel, trained, optimizer, tokenizer, fsdp.model_dtype, {"scheduler": scheduler, **(states or {})}, run_config,
+        companions,
     )
     step = checkpoints.resume()
     logger = MetricLogger(

@@ -1,0 +1,175 @@
+"""PPO with a critic (algorithm.adv_estimator=gae) through the real CLI under torchrun (gloo, CPU): the critic's
+values and gradients against a plain transformers model and the same whatever the layout, a run with every
+critic metric and warm-up, its checkpoint with the critic, exact resume, learning, and verl's PPO example scripts
+as written. (GAE and the value loss against verl's formulas: test_core_algos.py.)"""
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.config.verl_keys import translate
+from fsdptrain.errors import ConfigError
+
+from conftest import read_metrics, save_tiny_model, torchrun
+from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_verl_keys import script_overrides, sizes_and_paths, with_local
+
+EXAMPLES = Path(__file__).parent / "verl_examples"
+
+
+@pytest.mark.slow
+def test_critic_gradients_are_the_same_whatever_the_layout(tmp_path, tiny_llama):
+    """Each layout's check (tests/checks/critic_check.py) has matched its values and its token-mean gradient to a
+    plain transformers model; here every aggregation mode's gradient is compared across layouts: one process
+    with micro-batches of 8 packed sequences (prompts shared), two with 1 padded sequence, two at the defaults
+    (a token budget), and one Ulysses group of two."""
+    layouts = {"dp1-micro8-packed": (1, 8, "true", 1), "dp2-micro1-padded": (2, 1, "false", 1), "dp2-defaults": (2, "default", "true", 1),
+               "sp2-micro3-packed": (2, 3, "true", 2)}
+    gradients = {}
+    for name, (nproc, micro, packed, sp) in layouts.items():
+        out = str(tmp_path / f"{name}.pt")
+        torchrun(nproc, "tests.checks.critic_check", [tiny_llama, out, str(micro), packed, str(sp)])
+        gradients[name] = torch.load(out)
+    reference = gradients.pop("dp1-micro8-packed")
+    assert len(reference) == 4
+    for layout, runs in gradients.items():
+        for mode, grads in runs.items():
+            difference = sum(float((grad - reference[mode][name]).square().sum()) for name, grad in grads.items()) ** 0.5
+            size = sum(float(grad.square().sum()) for grad in reference[mode].values()) ** 0.5
+            assert size > 0 and difference / size < 5e-6, f"{layout} {mode}: {difference / size:.2e} of the gradient's norm"
+
+
+PPO = dict(algorithm__adv_estimator="gae", algorithm__lam=0.95, actor_rollout_ref__rollout__n=1, data__train_batch_size=8,
+           actor_rollout_ref__actor__ppo_mini_batch_size=4, critic__ppo_micro_batch_size_per_gpu=2, critic__optim__lr="1e-3",
+           critic__model__enable_gradient_checkpointing="false", trainer__critic_warmup=1)
+CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr", "critic/values/mean",
+                  "critic/values/max", "critic/values/min", "critic/returns/mean", "critic/returns/max", "critic/returns/min",
+                  "critic/vf_explained_var", "timing_s/values", "timing_s/update_critic"]
+
+
+@pytest.fixture(scope="module")
+def ppo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
+    out = str(tmp_path_factory.mktemp("ppo"))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=3, data__val_files="null", **PPO))
+    return out
+
+
+@pytest.mark.slow
+def test_a_ppo_run_warms_the_critic_up_reports_it_and_checkpoints_it(ppo_straight):
+    metrics = read_metrics(ppo_straight)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        for key in CRITIC_METRICS:
+            assert key in m, key
+        assert m["critic/lr"] == pytest.approx(1e-3) and m["critic/grad_norm"] > 0
+        assert abs(m["critic/advantages/mean"]) < 1e-5  # whitened over the batch's response tokens
+    # trainer.critic_warmup=1: the first step trains the critic only; the policy starts at the second
+    assert "actor/pg_loss" not in metrics[0] and "timing_s/update_actor" not in metrics[0]
+    assert all("actor/pg_loss" in m and m["actor/grad_norm"] > 0 for m in metrics[1:])
+    # the critic learns the returns of this reward (the share of "e"): its error shrinks from the random head's
+    assert metrics[-1]["critic/vf_loss"] < metrics[0]["critic/vf_loss"]
+    step = os.path.join(ppo_straight, "global_step_3")
+    assert sorted(os.listdir(os.path.join(step, "critic"))) == ["model", "optimizer"]
+    with open(os.path.join(step, "meta.json")) as f:
+        assert json.load(f)["companions"] == ["critic"]
+
+
+@pytest.mark.slow
+def test_a_ppo_run_resumes_exactly(tmp_path, tiny_llama, rl_data, ppo_straight):  # noqa: F811
+    """Two steps, then the third resumed from the second's checkpoint (the critic, its optimizer and schedule):
+    the third step's numbers are the uninterrupted run's."""
+    out = str(tmp_path)
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=2, trainer__save_freq=2,
+                                                    data__val_files="null", **PPO))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=3, data__val_files="null", **PPO))
+    resumed, reference = read_metrics(out), read_metrics(ppo_straight)
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    for key in ("critic/score/mean", "critic/values/mean", "critic/returns/mean", "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
+                "critic/vf_explained_var", "actor/pg_loss", "actor/grad_norm", "critic/advantages/max"):
+        assert resumed[2][key] == pytest.approx(reference[2][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_a_grpo_checkpoint_is_not_resumed_as_ppo(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    out = str(tmp_path)
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, trainer__save_freq=1,
+                                                    data__val_files="null"))
+    result = torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, data__val_files="null", **PPO), check=False)
+    assert result.returncode != 0 and "holds the trained models ['actor'], this run trains ['actor', 'critic']" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_preferred_token_rises_under_ppo(tmp_path, tokenizer, tiny_llama, rl_data):  # noqa: F811
+    """One response per prompt, advantages from the critic alone: on a tiny Llama whose large initial weights
+    make its samples peaked, rewarded for the share of 'e' in what it writes, the mean score of the last three of
+    ten steps is above that of the first three (two of them the critic's warm-up). The critic is another model
+    (critic.model.path: a tiny Llama of ordinary initial weights, whose first values are near 0)."""
+    model = save_tiny_model(tmp_path / "peaked", "llama", tokenizer, initializer_range=1.0)
+    out = str(tmp_path / "run")
+    sizes = dict(data__train_batch_size=32, trainer__critic_warmup=2, actor_rollout_ref__actor__ppo_mini_batch_size=32,
+                 actor_rollout_ref__actor__optim__lr="2e-2", critic__model__path=tiny_llama, critic__optim__lr="3e-3", critic__ppo_mini_batch_size=8,
+                 trainer__total_training_steps=10, data__val_files="null", data__shuffle="true")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(model, rl_data, out, **{**PPO, **sizes}))
+    metrics = read_metrics(out)
+    scores = [m["critic/score/mean"] for m in metrics]
+    assert sum(scores[-3:]) > 1.15 * sum(scores[:3]), scores
+    assert metrics[-1]["critic/vf_loss"] < 0.1 * metrics[0]["critic/vf_loss"]
+
+
+def ppo_example(name: str, model: str, data: Path, out: str) -> list[str]:
+    """verl's example `name` with the launcher, model, paths and sizes changed (one rollout engine per process)."""
+    local = {**sizes_and_paths(model, data, out), "critic.model.path": model, "critic.ppo_micro_batch_size_per_gpu": 2,
+             "actor_rollout_ref.rollout.tensor_model_parallel_size": 1}
+    return with_local(script_overrides(EXAMPLES / name), local)
+
+
+@pytest.mark.parametrize("name", ["run_deepseek7b_llm.sh", "run_qwen2.5-0.5b.sh"])
+def test_verls_ppo_examples_load_with_every_key_known(tmp_path, capsys, name):
+    overrides, problems = translate(ppo_example(name, "/models/x", tmp_path, str(tmp_path)), "grpo", 2)
+    assert problems == []
+    assert "critic.model.fsdp_config.cpu_offload=False" in overrides
+    assert "critic.model.fsdp_config.optimizer_offload" in capsys.readouterr().err
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = load_grpo_config(compose(config_name="grpo_trainer", overrides=overrides))
+    assert config.uses_critic and config.critic.optim.lr == 1e-5 and config.critic.model.path == "/models/x"
+
+
+def test_ppo_settings_that_cannot_work_are_named():
+    def load(*overrides):
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            return load_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
+                                                                                   *overrides]))
+
+    with pytest.raises(ConfigError) as error:
+        load("algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2", "algorithm.lam=1.5", "critic.cliprange_value=0")
+    for key in ("critic.ulysses_sequence_parallel_size (2) must equal", "algorithm.lam must be in [0, 1]", "critic.cliprange_value"):
+        assert key in str(error.value), key
+    with pytest.raises(ConfigError, match="trainer.critic_warmup=2 without a critic"):
+        load("trainer.critic_warmup=2")
+    with pytest.raises(ConfigError, match="critic.enable=true with algorithm.adv_estimator=grpo"):
+        load("critic.enable=true")
+    with pytest.raises(ConfigError, match="needs the critic's values"):
+        load("algorithm.adv_estimator=gae", "critic.enable=false")
+    assert not load().uses_critic and load("algorithm.adv_estimator=gae").uses_critic
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
+def test_verls_ppo_example_trains_two_steps(tmp_path, tokenizer, rl_data):  # noqa: F811
+    """verl's DeepSeek-7B PPO example as written (vLLM rollouts, a packed actor beside a padded critic, gradient
+    checkpointing) on 2 CPU processes, with the launcher, model, paths and sizes changed."""
+    model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                            num_key_value_heads=1)
+    out = str(tmp_path / "run")
+    result = torchrun(2, "fsdptrain.grpo_trainer", ppo_example("run_deepseek7b_llm.sh", model, rl_data, out))
+    lines = re.findall(r"^step (\d+) \| (?!plots:)(.*)$", result.stdout, re.MULTILINE)
+    assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
+    for _, line in lines:
+        assert "critic/vf_loss" in line and "actor/pg_loss" in line and "training/rollout_probs_diff_max" in line
