@@ -48,7 +48,7 @@ def test_critic_gradients_are_the_same_whatever_the_layout(tmp_path, tiny_llama)
 
 PPO = dict(algorithm__adv_estimator="gae", algorithm__lam=0.95, actor_rollout_ref__rollout__n=1, data__train_batch_size=8,
            actor_rollout_ref__actor__ppo_mini_batch_size=4, critic__ppo_micro_batch_size_per_gpu=2, critic__optim__lr="1e-3",
-           critic__model__enable_gradient_checkpointing="false", trainer__critic_warmup=1)
+           critic__model__enable_gradient_checkpointing="false", trainer__critic_warmup=1, critic__model__fsdp_config__cpu_offload="true")
 CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr", "critic/values/mean",
                   "critic/values/max", "critic/values/min", "critic/returns/mean", "critic/returns/max", "critic/returns/min",
                   "critic/vf_explained_var", "timing_s/values", "timing_s/update_critic"]
@@ -63,6 +63,7 @@ def ppo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
 
 @pytest.mark.slow
 def test_a_ppo_run_warms_the_critic_up_reports_it_and_checkpoints_it(ppo_straight):
+    """critic_warmup=1, the critic's shards in host memory between uses (cpu_offload), three steps."""
     metrics = read_metrics(ppo_straight)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
@@ -155,6 +156,8 @@ def test_ppo_settings_that_cannot_work_are_named():
         load("trainer.critic_warmup=2")
     with pytest.raises(ConfigError, match="critic.enable=true with algorithm.adv_estimator=grpo"):
         load("critic.enable=true")
+    with pytest.raises(ConfigError, match="algorithm.filter_groups keeps the groups whose responses differ"):
+        load("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "algorithm.filter_groups.enable=true")
     with pytest.raises(ConfigError, match="needs the critic's values"):
         load("algorithm.adv_estimator=gae", "critic.enable=false")
     assert not load().uses_critic and load("algorithm.adv_estimator=gae").uses_critic

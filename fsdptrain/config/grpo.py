@@ -278,6 +278,8 @@ def validate_algorithm(algorithm: AlgorithmConfig, rollout: RolloutConfig, use_k
                           "reference: it is counted twice", stacklevel=3)
     filter_groups = algorithm.filter_groups
     if filter_groups.enable:
+        if rollout.n < 2:
+            raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {rollout.n}")
         one_of("algorithm.filter_groups.metric", filter_groups.metric, tuple(FILTER_KEYS))
         positive("algorithm.filter_groups.max_num_gen_batches", filter_groups.max_num_gen_batches)
         if filter_groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
