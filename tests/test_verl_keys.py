@@ -80,6 +80,23 @@ def test_every_mistake_of_a_command_line_is_reported_at_once():
     assert all(problem in message for problem in problems)
 
 
+def test_values_of_the_wrong_type_are_reported_with_the_other_mistakes():
+    overrides, problems = translate(["data.train_filez=a.parquet", "data.max_prompt_length=long", "actor_rollout_ref.rollout.n=two",
+                                     "critic.model.fsdp_config.cpu_offload=maybe", "data.train_files=a.parquet",
+                                     "actor_rollout_ref.model.path=/m"], "grpo", world_size=1)
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        cfg = compose(config_name="grpo_trainer", overrides=overrides)
+    with pytest.raises(ConfigError) as error:
+        load_grpo_config(cfg, problems)
+    assert str(error.value).splitlines() == [
+        "4 problems:",
+        "  data.train_filez: not a key of fsdptrain's grpo_trainer.yaml (did you mean data.train_files?)",
+        "  data.max_prompt_length: Value 'long' of type 'str' could not be converted to Integer",
+        "  actor_rollout_ref.rollout.n: Value 'two' of type 'str' could not be converted to Integer",
+        "  critic.model.fsdp_config.cpu_offload: Value 'maybe' is not a valid bool (type str)",
+    ]
+
+
 def test_keys_added_with_a_plus_are_checked_like_the_others():
     overrides, problems = translate(["+trainer.total_training_steps=2", "++data.shuffle=false", "+data.prompt_dict_keys=[content]"], "sft", 1)
     assert overrides == ["trainer.total_training_steps=2", "data.shuffle=false"]

@@ -21,14 +21,40 @@ def defaults(name: str) -> DictConfig:
     return OmegaConf.load(os.path.join(os.path.dirname(__file__), f"{name}.yaml"))
 
 
-def to_typed(cfg: DictConfig, schema: type) -> Any:
-    """Merge a Hydra config onto `schema` and return the dataclass instance; errors name the key."""
+def to_typed(cfg: DictConfig, schema: type, problems: Sequence[str] = ()) -> Any:
+    """Merge a Hydra config onto `schema` and return the dataclass instance. Where values do not fit their types,
+    one ConfigError names each of their keys, with the earlier `problems` (the command line's)."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "config"
-        raise ConfigError(f"{key}: {getattr(e, 'msg', str(e)).splitlines()[0]}") from None
+        check_all([], [*problems, *(type_errors(cfg, schema) or [error_line(e)])])
+
+
+def type_errors(cfg: DictConfig, schema: type) -> list[str]:
+    """Each key of `cfg` whose value `schema` refuses, with why: each value is merged alone onto the schema, so
+    that every bad one is found, not only the first."""
+    typed, errors = OmegaConf.structured(schema), []
+
+    def walk(node: Any, path: list[str]) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, [*path, key])
+                continue
+            alone: Any = value
+            for part in reversed([*path, key]):
+                alone = {part: alone}
+            try:
+                OmegaConf.merge(typed, alone)
+            except OmegaConfBaseException as e:
+                errors.append(error_line(e, ".".join([*path, key])))
+
+    walk(OmegaConf.to_container(cfg, resolve=False), [])
+    return errors
+
+
+def error_line(error: OmegaConfBaseException, key: str | None = None) -> str:
+    return f"{key or getattr(error, 'full_key', None) or 'config'}: {getattr(error, 'msg', str(error)).splitlines()[0]}"
 
 
 def check_all(checks: Sequence[Callable[[], None]], problems: Sequence[str] = ()) -> None:

@@ -406,7 +406,7 @@ class GRPOConfig:
 def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfig:
     """Type-check and validate a GRPO config, section by section: one error naming each bad key and its numbers,
     with the command line's `problems` (verl_keys.translate's)."""
-    config: GRPOConfig = to_typed(cfg, GRPOConfig)
+    config: GRPOConfig = to_typed(cfg, GRPOConfig, problems)
     data, model = config.data, config.actor_rollout_ref.model
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     check_all([

@@ -109,7 +109,7 @@ class SFTConfig:
 def load_sft_config(cfg: DictConfig, problems: Sequence[str] = ()) -> SFTConfig:
     """Type-check and validate an SFT config, every section: one error naming each bad key, with the command
     line's `problems` (verl_keys.translate's)."""
-    config: SFTConfig = to_typed(cfg, SFTConfig)
+    config: SFTConfig = to_typed(cfg, SFTConfig, problems)
     check_all([
         lambda: validate_data(config.data),
         lambda: validate_micro_batching(config.micro_batching, config.data.max_length, "data.max_length"),
