@@ -1,7 +1,7 @@
 """GRPO-family training, and PPO with a critic, on the shared set-up. A step: draw and score groups of responses,
 old and reference log-probs, the critic's values (PPO), rewards and advantages, the critic's update (PPO), the
-clipped policy update over mini-batches, the new weights to the rollout engine. Each line of `GRPOStep.__call__` is a call into one of the rl/ components, which this file builds from
-the config once.
+clipped policy update over mini-batches, the new weights to the rollout engine. Each line of `GRPOStep.__call__`
+is a call into one of the rl/ components, which this file builds from the config once.
 
 Each data-parallel rank generates for whole prompts (train_batch_size / dp of them, `rollout.n` responses each),
 so a prompt's group of responses sits on one rank (the ranks of a Ulysses group share theirs and each trains on a
