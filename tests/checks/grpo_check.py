@@ -16,12 +16,12 @@ from hydra import compose, initialize_config_module
 from torch.distributed.tensor import DTensor
 
 from fsdptrain.config.grpo import load_grpo_config
-from fsdptrain.data.dataset import Sample
 from fsdptrain.models.loading import load_model_config
 from fsdptrain.rl.actor import compute_log_probs, mini_batch_backward
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
 from fsdptrain.trainer.grpo import forward_settings, loss_settings
 from fsdptrain.trainer.setup import build_sharded_model, start_run
+from tests.checks.common import two_groups
 
 
 def main() -> None:
@@ -45,20 +45,10 @@ def main() -> None:
     model = build_sharded_model(model_dir, base.actor_rollout_ref.model, base.actor_rollout_ref.actor.fsdp_config, hf_config, base.trainer,
                                 parallel, packed == "true", trainable=True)
 
-    # Eight sequences, two prompts' groups of four, the same on every layout; each rank holds every dp-th one, so a
-    # rank's packed rows share each prompt between the responses they hold of it (not padded rows, not under SP).
-    g = torch.Generator().manual_seed(0)
-    everything = []
-    for i in range(8):
-        if i % 4 == 0:
-            prompt = torch.randint(3, 1000, (int(torch.randint(3, 9, (), generator=g)),), generator=g)
-        response = int(torch.randint(2, 12, (), generator=g))
-        ids = torch.cat([prompt, torch.randint(3, 1000, (response,), generator=g)])
-        mask = torch.cat([torch.zeros(len(prompt), dtype=torch.long), (torch.rand(response, generator=g) < 0.9).long()])
-        advantage = torch.cat([torch.zeros(len(prompt)), torch.full((response,), float(torch.randn((), generator=g)))])
-        length = len(ids)
-        everything.append(Sample(ids, mask, {"advantage": advantage, "sequence": torch.full((length,), float(i)),
-                                             "sequence_tokens": torch.full((length,), float(mask[1:].sum()))}, shared_prefix=len(prompt)))
+    # Each rank holds every dp-th sequence, so a rank's packed rows share each prompt between the responses they
+    # hold of it (not padded rows, not under SP).
+    everything = two_groups(lambda g, prompt, response, mask: {
+        "advantage": torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.randn((), generator=g)))])})
     mine = everything[parallel.dp_rank :: parallel.dp_size]
     compute_log_probs(model, mine, base.micro_batching(4, "size"), forward_settings(base, pad_id=0), parallel, key="old_log_prob")
     separate_pass = [sample.token_values["old_log_prob"].clone() for sample in mine]
