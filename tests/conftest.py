@@ -149,6 +149,24 @@ def wait_for(path: str, process: subprocess.Popen, timeout: float = 300) -> None
         time.sleep(0.002)
 
 
+def latest_checkpoint(out: str) -> int:
+    """The step the run's tracker names (0 before its first checkpoint)."""
+    path = os.path.join(out, "latest_checkpointed_iteration.txt")
+    return int(open(path).read()) if os.path.exists(path) else 0
+
+
+def wait_for_checkpoint(out: str, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until the tracker names `step` or later: the last write of a save, after its folder is renamed into place."""
+    deadline = time.time() + timeout
+    while latest_checkpoint(out) < step:
+        if process.poll() is not None:
+            output = process.stderr.read().decode()[-4000:] if process.stderr else ""
+            raise AssertionError(f"run ended before its step-{step} checkpoint:\n{output}")
+        if time.time() > deadline:
+            raise AssertionError(f"no step-{step} checkpoint in {out}")
+        time.sleep(0.002)
+
+
 def workers(parent: int) -> list:
     """Pids of the processes whose parent is `parent` (torchrun's workers)."""
     children = []

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from conftest import (
     REPO,
     assert_same_run,
+    latest_checkpoint,
     losses,
     read_metrics,
     run_sft,
@@ -24,6 +25,7 @@ from conftest import (
     torchrun,
     torchrun_cmd,
     wait_for,
+    wait_for_checkpoint,
     workers,
 )
 
@@ -32,11 +34,6 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 SAVE_HF = "[model,optimizer,extra,hf_model]"
 RUN = dict(trainer__total_training_steps=STEPS, optim__lr_warmup_steps_ratio=0.2, trainer__checkpoint__save_contents=SAVE_HF)
-
-
-def tracker(out: str) -> int:
-    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
-        return int(f.read())
 
 
 def start_sft(nproc: int, model, data, out, torchrun_args=(), env=None, **overrides) -> subprocess.Popen:
@@ -58,10 +55,10 @@ def interrupted(tmp_path_factory, tiny_llama, chat_data):
     """The same run, killed (SIGKILL, every rank) once its step-3 checkpoint is complete."""
     out = str(tmp_path_factory.mktemp("interrupted"))
     process = start_sft(2, tiny_llama, chat_data, out, trainer__save_freq=3, **RUN)
-    wait_for(os.path.join(out, "global_step_3", "meta.json"), process)
+    wait_for_checkpoint(out, 3, process)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert tracker(out) == 3 and not os.path.exists(os.path.join(out, "global_step_6"))
+    assert latest_checkpoint(out) == 3 and not os.path.exists(os.path.join(out, "global_step_6"))
     return out
 
 
@@ -84,7 +81,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, tiny_llama,
     wait_for(os.path.join(out, ".global_step_4.tmp"), process)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert tracker(out) == 2
+    assert latest_checkpoint(out) == 2
     assert os.path.isfile(os.path.join(out, "global_step_2", "meta.json"))  # the one to resume from is kept
     assert not os.path.exists(os.path.join(out, "global_step_4"))
     run_sft(2, tiny_llama, chat_data, out, trainer__save_freq=2, trainer__max_ckpt_to_keep=1, **RUN)
@@ -98,7 +95,7 @@ def test_torchrun_restarts_a_killed_rank_and_finishes_the_same(tmp_path, tiny_ll
     # attempt's gloo addresses and fail to connect (pytorch/pytorch#135712). docs/sft.md documents the same setting.
     restartable = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     process = start_sft(2, tiny_llama, chat_data, out, torchrun_args=["--max-restarts=2"], env=restartable, trainer__save_freq=2, **RUN)
-    wait_for(os.path.join(out, "global_step_2", "meta.json"), process)
+    wait_for_checkpoint(out, 2, process)
     os.kill(workers(process.pid)[-1], signal.SIGKILL)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr.decode()[-4000:]
@@ -113,7 +110,7 @@ def test_rotation_counts_what_is_on_disk_across_restarts(tmp_path, tiny_llama, c
     assert sorted(d for d in os.listdir(out) if d.startswith("global_step")) == ["global_step_2", "global_step_3"]
     run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=5, **keep)
     assert sorted(d for d in os.listdir(out) if d.startswith("global_step")) == ["global_step_4", "global_step_5"]
-    assert tracker(out) == 5
+    assert latest_checkpoint(out) == 5
 
 
 def test_export_round_trip(tmp_path, straight):
@@ -145,7 +142,7 @@ def test_write_failure_is_clear_and_keeps_the_previous_checkpoint(tmp_path, tiny
                       check=False, preexec_fn=limit)
     assert result.returncode != 0
     assert f"checkpoint save under {out} failed (is the disk full or not writable?)" in result.stderr
-    assert tracker(out) == 2 and os.path.isfile(os.path.join(out, "global_step_2", "meta.json"))
+    assert latest_checkpoint(out) == 2 and os.path.isfile(os.path.join(out, "global_step_2", "meta.json"))
     assert not os.path.exists(os.path.join(out, "global_step_4"))
 
 

@@ -16,7 +16,20 @@ import time
 import pytest
 
 from compare_metrics import differences
-from conftest import REPO, free_port, launch, read_metrics, run_sft, save_tiny_model, sft_args, torchrun, wait_for, workers
+from conftest import (
+    REPO,
+    free_port,
+    latest_checkpoint,
+    launch,
+    read_metrics,
+    run_sft,
+    save_tiny_model,
+    sft_args,
+    torchrun,
+    wait_for,
+    wait_for_checkpoint,
+    workers,
+)
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -33,11 +46,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def latest(out: str) -> int:
-    path = os.path.join(out, "latest_checkpointed_iteration.txt")
-    return int(open(path).read()) if os.path.exists(path) else 0
-
-
 def leftovers(out: str) -> list[str]:
     return [name for name in os.listdir(out) if name.endswith(".tmp") or name == LOCK]
 
@@ -46,41 +54,41 @@ def test_workers_die_with_their_launcher_and_write_nothing_after(tmp_path, tiny_
     out = str(tmp_path / "run")
     process = launch(2, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=200, trainer__save_freq=1,
                                                           data__val_files="null"), str(tmp_path / "log"))
-    wait_for(os.path.join(out, "global_step_2", "meta.json"), process)
+    wait_for_checkpoint(out, 2, process)
     pids = workers(process.pid)
     assert len(pids) == 2
     os.kill(process.pid, signal.SIGKILL)  # the launcher alone, as an out-of-memory killer would
     process.wait()
-    at_kill, deadline = latest(out), time.monotonic() + 10
+    at_kill, deadline = latest_checkpoint(out), time.monotonic() + 10
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in pids), "workers outlived their launcher by 10 s"
     steps = len(read_metrics(out))
     time.sleep(2)
-    assert latest(out) == at_kill and len(read_metrics(out)) == steps, "a worker went on writing after its launcher died"
+    assert latest_checkpoint(out) == at_kill and len(read_metrics(out)) == steps, "a worker went on writing after its launcher died"
 
 
 def test_one_writer_per_directory_and_a_dead_runs_directory_is_taken_over(tmp_path, tiny_llama, chat_data):
     out = str(tmp_path / "run")
     first = launch(2, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=200, trainer__save_freq=1,
                                                         data__val_files="null"), str(tmp_path / "first.log"))
-    wait_for(os.path.join(out, "global_step_1", "meta.json"), first)
+    wait_for_checkpoint(out, 1, first)
     holder = json.loads(open(os.path.join(out, LOCK)).read())
     second = torchrun(1, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=3), check=False)
     assert second.returncode != 0
     assert f"trainer.default_local_dir={out} is in use by another run" in second.stderr
     assert f'"pid": {holder["pid"]}' in second.stderr and holder["host"] in second.stderr
-    assert latest(out) >= 1 and first.poll() is None, "the refused run touched the live one"
+    assert latest_checkpoint(out) >= 1 and first.poll() is None, "the refused run touched the live one"
     # The first run dies whole (launcher and workers) in the middle of a save; its lock file and half-written
     # save stay behind, and the next run takes the directory over and resumes.
-    wait_for(os.path.join(out, f".global_step_{latest(out) + 2}.tmp"), first)
+    wait_for(os.path.join(out, f".global_step_{latest_checkpoint(out) + 2}.tmp"), first)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     time.sleep(1)
     assert os.path.exists(os.path.join(out, LOCK))
-    resumed_from = latest(out)
+    resumed_from = latest_checkpoint(out)
     run_sft(2, tiny_llama, chat_data, out, trainer__total_training_steps=resumed_from + 1, data__val_files="null")
-    assert latest(out) == resumed_from + 1 and not leftovers(out)
+    assert latest_checkpoint(out) == resumed_from + 1 and not leftovers(out)
 
 
 def test_a_stuck_rank_fails_the_run_within_the_timeout_naming_the_step(tmp_path, tiny_llama, chat_data):
@@ -127,7 +135,7 @@ def assert_same_steps(out: str, reference: str) -> None:
     found = differences({m["step"]: m for m in read_metrics(out)}, {m["step"]: m for m in read_metrics(reference)}, rtol=1e-6, atol=1e-9)
     assert not found, found
     last = read_metrics(reference)[-1]["step"]
-    assert latest(out) == last and os.path.isfile(os.path.join(out, f"global_step_{last}", "meta.json"))
+    assert latest_checkpoint(out) == last and os.path.isfile(os.path.join(out, f"global_step_{last}", "meta.json"))
     assert not leftovers(out), leftovers(out)
 
 

@@ -8,7 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import assert_same_weights, hf_weights, read_metrics, run_sft
@@ -16,6 +19,7 @@ from conftest import assert_same_weights, hf_weights, read_metrics, run_sft
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH, MICRO, LR, BETAS, WEIGHT_DECAY, CLIP = 3, 8, 2, 1e-3, (0.9, 0.95), 0.01, 1.0
+SEED = 1  # trainer.seed, which initializes a LoRA run's adapters
 RUN = dict(
     data__shuffle="false", data__train_batch_size=BATCH, data__micro_batch_size_per_gpu=MICRO, optim__lr=LR,
     optim__betas=f"[{BETAS[0]},{BETAS[1]}]", optim__weight_decay=WEIGHT_DECAY, optim__clip_grad=CLIP,
@@ -44,15 +48,19 @@ def assistant_tokens(tokenizer, messages) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(ids), mask
 
 
-def reference_run(model_dir: str, train_file: str, balance_tokens: bool) -> tuple[list[float], list[float], dict]:
-    """Losses, gradient norms and final weights of STEPS steps over consecutive batches of the file's rows.
+def reference_run(model_dir: str, train_file: str, balance_tokens: bool, lora: LoraConfig | None = None) -> tuple[list[float], list[float], nn.Module]:
+    """Losses, gradient norms and the trained model of STEPS steps over consecutive batches of the file's rows.
 
     balance_tokens: every assistant token of a step weighs the same (sum / the step's token count); otherwise
-    verl's mean over micro-batches of each micro-batch's token mean."""
-    torch.manual_seed(0)
+    verl's mean over micro-batches of each micro-batch's token mean. With `lora`: peft's model, its adapters
+    initialized after torch.manual_seed(trainer.seed), and only they trained."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    if lora is not None:
+        torch.manual_seed(SEED)
+        model = get_peft_model(model, lora)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
     rows = pq.read_table(train_file).column("messages").to_pylist()
     losses, norms = [], []
     for step in range(STEPS):
@@ -68,11 +76,11 @@ def reference_run(model_dir: str, train_file: str, balance_tokens: bool) -> tupl
                 scale = 1 / step_tokens if balance_tokens else 1 / (micro_tokens * (BATCH // MICRO))
                 (nll * scale).backward()
                 nll_total += float(nll)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, CLIP)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(nll_total / step_tokens)  # the logged loss is the step's token mean in both modes
-    return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
+    return losses, norms, model
 
 
 @pytest.mark.parametrize(
@@ -82,7 +90,8 @@ def reference_run(model_dir: str, train_file: str, balance_tokens: bool) -> tupl
 def test_one_process_equals_a_plain_torch_loop(tmp_path, tiny_llama, chat_data, balance, chunk):
     out = str(tmp_path)
     run_sft(1, tiny_llama, chat_data, out, data__balance_dp_token=balance, model__chunked_loss_tokens=chunk, **RUN)
-    losses, norms, weights = reference_run(tiny_llama, chat_data["train"], balance_tokens=balance == "true")
+    losses, norms, model = reference_run(tiny_llama, chat_data["train"], balance_tokens=balance == "true")
+    weights = model.state_dict()
     metrics = read_metrics(out)
     assert [m["train/loss"] for m in metrics] == pytest.approx(losses, rel=1e-6)
     assert [m["train/grad_norm"] for m in metrics] == pytest.approx(norms, rel=1e-5)
@@ -90,6 +99,32 @@ def test_one_process_equals_a_plain_torch_loop(tmp_path, tiny_llama, chat_data, 
     # Adam divides each gradient by its own running scale, so an element whose gradient is near zero carries the
     # float noise of the two computations into its update: 5% of one step's size (lr) bounds that.
     assert_same_weights(trained, {k: v for k, v in weights.items() if k in trained}, atol=0.05 * LR)
+
+
+def test_lora_on_two_processes_equals_peft_on_one(tmp_path, tiny_llama, chat_data):
+    """LoRA SFT on 2 processes against peft's model trained by the plain loop on one: the same losses, gradient
+    norms and adapters (the peft-format export), and a merged export that is peft's merged model."""
+    out = str(tmp_path)
+    run_sft(2, tiny_llama, chat_data, out, data__balance_dp_token="true", model__lora_rank=4, model__lora_alpha=8,
+            **{**RUN, "trainer__checkpoint__save_contents": "[model,optimizer,extra,hf_model,lora_adapter]"})
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    losses, norms, model = reference_run(tiny_llama, chat_data["train"], balance_tokens=True, lora=lora)
+    metrics = read_metrics(out)
+    assert [m["train/loss"] for m in metrics] == pytest.approx(losses, rel=1e-6)
+    assert [m["train/grad_norm"] for m in metrics] == pytest.approx(norms, rel=1e-5)
+    step_dir = os.path.join(out, f"global_step_{STEPS}")
+    adapters = load_file(os.path.join(step_dir, "lora_adapter", "adapter_model.safetensors"))
+    expected = get_peft_model_state_dict(model)
+    assert len(adapters) == 2 * 7 * 2  # A and B on the 7 linear layers of each of the 2 layers
+    assert_same_weights(adapters, expected, atol=0.05 * LR)  # Adam's float noise, as above
+    assert any(float(t.abs().max()) > LR for k, t in adapters.items() if "lora_B" in k), "lora_B never left zero"
+    merged = model.merge_and_unload().state_dict()
+    exported = hf_weights(step_dir)
+    assert_same_weights(exported, {k: v for k, v in merged.items() if k in exported}, atol=1e-6)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama), os.path.join(step_dir, "lora_adapter"))
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_bf16_weights_and_compute_train_on_cpu(tmp_path, tiny_llama, chat_data):

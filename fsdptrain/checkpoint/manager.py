@@ -7,6 +7,9 @@
                           extra/                the trainer's state objects (scheduler, data position, ...)
                                                 and config (state.pt), RNG per rank
                           huggingface/          config, tokenizer, and safetensors weights with hf_model
+                          lora_adapter/         with lora_adapter, the adapters in peft's format
+
+A LoRA run's model/ holds its adapters alone: the frozen weights are the pretrained folder's, read again at resume.
 
 A save is written to `.global_step_{N}.tmp` and renamed only after every rank has finished, so a process
 killed mid-save leaves an unfinished temporary folder that is never taken for a checkpoint.
@@ -26,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -34,12 +38,12 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.checkpoint.hf_export import ARCHITECTURE_KEYS, save_hf_folder
-from fsdptrain.config.shared import TrainerConfig
-from fsdptrain.distributed.fsdp import full_parameters
+from fsdptrain.config.shared import LoRASettings, TrainerConfig
 from fsdptrain.distributed.launcher import fault_point
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.dtypes import DTYPES
 from fsdptrain.errors import ConfigError
+from fsdptrain.models.lora import adapter_weights, merged_weights, save_adapter
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -89,6 +93,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def trained_state(model: nn.Module) -> dict[str, Any]:
+    """The model's sharded state without its frozen parameters (a LoRA model's pretrained weights)."""
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {name: value for name, value in get_model_state_dict(model).items() if name not in frozen}
+
+
+def lora_matches(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> bool:
+    """Whether adapters saved with `saved` load into a model built with `current` (the base folder may move)."""
+    if saved is None or current is None:
+        return saved is current
+    return all(saved[k] == current[k] for k in ("rank", "alpha", "target_modules", "exclude_modules"))
+
+
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -112,6 +129,8 @@ class CheckpointManager:
         states: dict[str, Stateful],
         run_config: dict,
         companions: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
+        lora: LoRASettings | None = None,
+        base_model: str | None = None,
     ):
         self.config = config
         self.root = config.default_local_dir
@@ -123,6 +142,7 @@ class CheckpointManager:
         self.states = states
         self.sharded = {"": (model, optimizer), **(companions or {})}  # folder prefix -> (model, optimizer)
         self.run_config = run_config
+        self.lora, self.base_model = lora, base_model
         self.save_contents = list(config.checkpoint.save_contents)
         self.load_contents = list(config.checkpoint.load_contents or self.save_contents)
 
@@ -162,7 +182,7 @@ class CheckpointManager:
         self._run_on_main(prepare)
         for prefix, (model, optimizer) in self.sharded.items():
             if "model" in self.save_contents:
-                self._run_everywhere(partial(dcp.save, get_model_state_dict(model), checkpoint_id=os.path.join(tmp, prefix, "model")))
+                self._run_everywhere(partial(dcp.save, trained_state(model), checkpoint_id=os.path.join(tmp, prefix, "model")))
             if "optimizer" in self.save_contents:
                 state = get_optimizer_state_dict(model, optimizer)
                 self._run_everywhere(partial(dcp.save, state, checkpoint_id=os.path.join(tmp, prefix, "optimizer")))
@@ -179,7 +199,7 @@ class CheckpointManager:
         if "hf_model" in self.save_contents:
             # Rank 0 keeps each full parameter in host memory as it arrives; the others drop theirs at once.
             full_state = {}
-            for name, tensor in full_parameters(self.model, DTYPES[hf_dtype]):
+            for name, tensor in merged_weights(self.model, DTYPES[hf_dtype]):
                 if self.parallel.is_main:
                     full_state[name] = tensor.cpu()
         self._run_on_main(
@@ -188,6 +208,10 @@ class CheckpointManager:
             )
         )
 
+        if "lora_adapter" in self.save_contents:
+            adapters = adapter_weights(self.model)
+            self._run_on_main(lambda: save_adapter(os.path.join(tmp, "lora_adapter"), adapters, self.lora, self.base_model))
+
         def publish() -> None:
             meta = {
                 "global_step": step,
@@ -195,6 +219,7 @@ class CheckpointManager:
                 "companions": sorted(name for name in self.sharded if name),
                 "world_size": self.parallel.world_size,
                 "model_dtype": self.model_dtype,
+                "lora": self._lora_meta(),
             }
             write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta))
             if os.path.exists(final):  # re-saving a step (a run resumed before it): replace it whole
@@ -206,6 +231,13 @@ class CheckpointManager:
         fault_point("save", step)
         self._run_on_main(publish)
         return final
+
+    def _lora_meta(self) -> dict[str, Any] | None:
+        """What the saved adapters' shapes and names depend on."""
+        if self.lora is None:
+            return None
+        return {"rank": self.lora.rank, "alpha": self.lora.alpha, "target_modules": self.lora.target_modules,
+                "exclude_modules": self.lora.exclude_modules, "base_model": self.base_model}
 
     def _rotate(self) -> None:
         keep = self.config.max_ckpt_to_keep
@@ -249,6 +281,10 @@ class CheckpointManager:
             raise ConfigError(
                 f"trainer.checkpoint.load_contents asks for {missing}, but {path} holds only {meta['contents']}"
             )
+        saved_lora, lora = meta.get("lora"), self._lora_meta()
+        if {"model", "optimizer"} & set(self.load_contents) and not lora_matches(saved_lora, lora):
+            raise ConfigError(f"checkpoint {path} was trained with LoRA {saved_lora}, this run with {lora}: resume with the same "
+                              "lora_rank, lora_alpha, target_modules and exclude_modules (lora_rank=0: full weights)")
         companions = sorted(name for name in self.sharded if name)
         if {"model", "optimizer"} & set(self.load_contents) and companions != meta.get("companions", []):
             raise ConfigError(f"checkpoint {path} holds the trained models {['actor', *meta.get('companions', [])]}, this run trains "
@@ -263,9 +299,9 @@ class CheckpointManager:
         self._check_compatible(path, meta)
         for prefix, (model, optimizer) in self.sharded.items():
             if "model" in self.load_contents:
-                state = get_model_state_dict(model)
+                state = trained_state(model)
                 dcp.load(state, checkpoint_id=os.path.join(path, prefix, "model"))
-                set_model_state_dict(model, state)
+                set_model_state_dict(model, state, options=StateDictOptions(strict=False))
             if "optimizer" in self.load_contents:
                 state = get_optimizer_state_dict(model, optimizer)
                 dcp.load(state, checkpoint_id=os.path.join(path, prefix, "optimizer"))

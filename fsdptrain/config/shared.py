@@ -4,7 +4,7 @@ followed by its validation, which takes the section's key prefix so that an erro
 from dataclasses import dataclass
 from typing import Any
 
-from fsdptrain.config.base import as_path_list, one_of, positive
+from fsdptrain.config.base import as_path_list, check_all, one_of, positive
 from fsdptrain.dtypes import DTYPES
 from fsdptrain.errors import ConfigError
 
@@ -41,17 +41,63 @@ class ModelConfig:
     attn_implementation: str
 
 
+@dataclass(frozen=True)
+class LoRASettings:
+    """Low-rank adapters on the model's linear layers (verl's keys; peft's meaning); `key` is the prefix of those keys."""
+
+    key: str
+    rank: int
+    alpha: float
+    target_modules: str | list[str]  # "all-linear", module names, or a regular expression over module paths
+    exclude_modules: str | list[str] | None
+    dropout: float
+
+
 @dataclass
 class LanguageModelConfig(ModelConfig):
-    """A model trained through its output layer (the policy; SFT's model): how its token losses are computed."""
+    """A model trained through its output layer (the policy; SFT's model): how its token losses are computed, and
+    whether it trains low-rank adapters instead of its weights."""
 
     chunked_loss_tokens: int
+    lora_rank: int
+    lora_alpha: float
+    target_modules: Any
+    exclude_modules: Any
+    lora_dropout: float
+
+    def lora(self, key: str) -> LoRASettings | None:
+        """The adapters' settings (this section's keys under `key`); None (full fine-tuning) with lora_rank=0."""
+        if not self.lora_rank:
+            return None
+        return LoRASettings(key, self.lora_rank, self.lora_alpha, self.target_modules, self.exclude_modules, self.lora_dropout)
 
 
 def validate_model(model: ModelConfig, prefix: str) -> None:
     one_of(f"{prefix}.attn_implementation", model.attn_implementation, ("auto", "sdpa", "eager", "flash_attention_2"))
-    if isinstance(model, LanguageModelConfig) and model.chunked_loss_tokens < 0:
-        raise ConfigError(f"{prefix}.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
+    if isinstance(model, LanguageModelConfig):
+        if model.chunked_loss_tokens < 0:
+            raise ConfigError(f"{prefix}.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
+        validate_lora(model, prefix)
+
+
+def validate_lora(model: LanguageModelConfig, prefix: str) -> None:
+    if model.lora_rank < 0:
+        raise ConfigError(f"{prefix}.lora_rank must be >= 0 (0: full fine-tuning), got {model.lora_rank}")
+    if not model.lora_rank:
+        return
+
+    def dropout() -> None:
+        if not 0 <= model.lora_dropout < 1:
+            raise ConfigError(f"{prefix}.lora_dropout must be in [0, 1), got {model.lora_dropout}")
+
+    def module_names(key: str) -> None:
+        value = getattr(model, key)
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"{prefix}.{key} must be all-linear, a module name or a list of them, got {value!r}")
+
+    check_all([lambda: positive(f"{prefix}.lora_alpha", model.lora_alpha), dropout, lambda: module_names("target_modules"),
+               lambda: model.exclude_modules is None or module_names("exclude_modules")])
 
 
 @dataclass
@@ -118,7 +164,7 @@ class TrainerConfig:
 
 
 LOGGERS = ("console", "file", "wandb", "tensorboard")
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model", "lora_adapter")
 
 
 def validate_trainer(trainer: TrainerConfig) -> None:
@@ -142,6 +188,14 @@ def validate_trainer(trainer: TrainerConfig) -> None:
         one_of("trainer.logger", name, LOGGERS)
     one_of("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
     positive("trainer.profile_step", trainer.profile_step, allow_none=True)
+
+
+def check_adapter_export(checkpoint: CheckpointConfig, model: LanguageModelConfig, prefix: str) -> None:
+    for key, contents in (("save_contents", checkpoint.save_contents), ("load_contents", checkpoint.load_contents or [])):
+        if "lora_adapter" in contents and not model.lora_rank:
+            raise ConfigError(f"trainer.checkpoint.{key} holds lora_adapter, which needs {prefix}.lora_rank > 0 (no adapters are trained)")
+    if "lora_adapter" in (checkpoint.load_contents or []):
+        raise ConfigError("trainer.checkpoint.load_contents: lora_adapter is an export; the adapters resume from `model`")
 
 
 def validate_data_files(data: Any, sizes: tuple[str, ...]) -> None:

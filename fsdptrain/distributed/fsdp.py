@@ -2,7 +2,7 @@
 embedding, then the root (final norm, output layer, and the embedding when it is tied to the output layer)."""
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,8 +52,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, device: t
     fully_shard(model, **kwargs)
 
 
-def full_parameters(model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for each parameter of a sharded model, cast to `dtype` if given, a bucket at a time.
+def full_parameters(
+    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 0, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for each parameter of a sharded model (those whose names `keep` accepts, if given), cast
+    to `dtype` if given, a bucket at a time.
 
     Parameters are all-gathered in buckets of about `bucket_bytes` (one collective a bucket; 0: each parameter on
     its own), so at most one bucket of full parameters exists beside the shards (a consumer that keeps them, like
@@ -62,6 +65,8 @@ def full_parameters(model: nn.Module, dtype: torch.dtype | None = None, bucket_b
     """
     bucket, size = [], 0
     for name, param in model.named_parameters():
+        if keep is not None and not keep(name):
+            continue
         bucket.append((name, param))
         size += param.numel() * (dtype or param.dtype).itemsize
         if size >= bucket_bytes:

@@ -24,12 +24,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fsdptrain.config.shared import FSDPConfig, ModelConfig
+from fsdptrain.config.shared import FSDPConfig, LoRASettings, ModelConfig
 from fsdptrain.distributed.fsdp import apply_fsdp, embeddings_tied
 from fsdptrain.distributed.mesh import Parallel
-from fsdptrain.dtypes import DTYPES
+from fsdptrain.dtypes import DTYPES, compute_dtype
 from fsdptrain.errors import ConfigError
 from fsdptrain.models.attention import PACKED_ATTENTION
+from fsdptrain.models.lora import add_adapters
 
 
 def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: int) -> PretrainedConfig:
@@ -100,21 +101,25 @@ def tied_embedding_grad_in_place(model: nn.Module) -> bool:
 
 def build_model(
     path: str, config: ModelConfig, fsdp: FSDPConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool, trainable: bool,
-    auto_class: type = AutoModelForCausalLM,
+    auto_class: type = AutoModelForCausalLM, lora: LoRASettings | None = None, seed: int = 0,
 ) -> nn.Module:
     """The sharded model with the pretrained weights of `path`, on `parallel.device` (or CPU with offload).
 
     A frozen model (`trainable=False`, e.g. a reference policy) has no gradients and runs in eval mode; with
     `fsdp.cpu_offload` its parameters stay in host memory between uses. `auto_class` builds `hf_config` with
     another head (a critic's value head): weights that `path` lacks are initialized by rank 0 and sent to all.
+    With `lora`, only the adapters train (initialized from `seed`, see models/lora.py) and the frozen weights are
+    kept in the compute dtype (mixed_precision.param_dtype) rather than model_dtype.
     """
-    dtype = DTYPES[fsdp.model_dtype]
+    dtype = DTYPES[fsdp.model_dtype] if lora is None else compute_dtype(fsdp.mixed_precision.param_dtype, parallel.device)
     with torch.device("meta"):
         model = auto_class.from_config(
             hf_config,
             attn_implementation=attention_implementation(config, packed),
             trust_remote_code=config.trust_remote_code,
         ).to(dtype)
+    if lora is not None:
+        add_adapters(model, lora, seed)
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
     if not trainable:
@@ -131,6 +136,8 @@ def build_model(
     pretrained = None
     if parallel.is_main:
         pretrained = auto_class.from_pretrained(path, config=hf_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
+        if lora is not None:
+            add_adapters(pretrained, lora, seed)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=fsdp.cpu_offload)
     set_model_state_dict(model, pretrained.state_dict() if pretrained is not None else {}, options=options)
     reference_buffers = dict(pretrained.named_buffers()) if pretrained is not None else {}

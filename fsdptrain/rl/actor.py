@@ -70,10 +70,13 @@ def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: Mic
     stored as its token values `key` (aligned with input_ids; 0 where not trained); under Ulysses the slices are
     joined into whole rows."""
     micro_batches = plan_micro_batches(list(samples), batching, parallel)
+    training = model.training
+    model.eval()  # no dropout (a LoRA adapter's) in what the update's ratio divides by
     for micro_batch, batch in forward_batches(micro_batches, samples[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], forward.temperature, forward.chunked_loss_tokens,
                                        sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
         store_token_values(log_probs, micro_batch, batch, forward.packed, parallel, key)
+    model.train(training)
 
 
 def store_token_values(per_position: torch.Tensor, micro_batch: list[Sample] | None, batch: MicroBatch, packed: bool, parallel: Parallel,

@@ -71,11 +71,13 @@ def plot(history: list[dict], lengths: list[int], directory: str, logger: Metric
         logger.log_images(write_plots(history, every_length, directory), step)
 
 
-def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: list[dict], advantages: list[float], n: int,
-                  parallel: Parallel) -> None:
-    """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage (rank 0 writes)."""
+def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: list[dict], generations: Sequence[Generation],
+                  advantages: list[float], n: int, parallel: Parallel) -> None:
+    """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage, and the token
+    ids that were trained on (rank 0 writes)."""
     rows = [{"prompt": prompts[i // n].messages, "ground_truth": prompts[i // n].ground_truth, "data_source": prompts[i // n].data_source,
-             **s, "advantage": a} for i, (s, a) in enumerate(zip(scored, advantages))]
+             **s, "advantage": a, "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask}
+            for i, (s, g, a) in enumerate(zip(scored, generations, advantages))]
     every_row = gather_lists(rows, parallel.dp_group)
     if parallel.is_main:
         os.makedirs(directory, exist_ok=True)

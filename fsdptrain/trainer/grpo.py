@@ -25,6 +25,7 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.evaluate import validate_on_ranks
 from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.loading import load_model_config, load_tokenizer
+from fsdptrain.models.lora import adapters_disabled, has_adapters
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, PolicyActor, UpdateSettings, compute_log_probs
 from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize_kl, put_token_values, token_advantages
@@ -65,7 +66,7 @@ class GRPOStep:
 
     config: GRPOConfig
     actor: PolicyActor
-    reference: nn.Module | None  # with the KL loss or the KL in the reward
+    reference: nn.Module | None  # with the KL loss or the KL in the reward; with LoRA, the actor's model (adapters off)
     ref_batching: MicroBatching
     engine: RolloutEngine
     sampler: GroupSampler
@@ -90,7 +91,7 @@ class GRPOStep:
             if self.agreement:
                 metrics.update(rollout_agreement(samples, generations, correction.rollout_is, correction.rollout_is_threshold, parallel))
         if self.reference is not None:
-            with timer("ref"):
+            with timer("ref"), adapters_disabled(self.reference):
                 compute_log_probs(self.reference, samples, self.ref_batching, self.actor.forward, parallel, "ref_log_prob")
         if self.critic is not None:
             with timer("values"):
@@ -151,7 +152,8 @@ def run_grpo(config: GRPOConfig) -> None:
         states["critic_scheduler"] = critic.scheduler
     run = open_run(parallel, trainer, model_config.path, model_config, config.actor_rollout_ref.actor.fsdp_config,
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
-                   run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None)
+                   run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None,
+                   lora=model_config.lora("actor_rollout_ref.model"))
     scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config))
     step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, critic, tokenizer.pad_token_id)
     engine = step_once.engine
@@ -190,7 +192,8 @@ def record_step(step: int, result: StepResult, timer: StepTimer, history: list[d
     metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device)
     if trainer.rollout_data_dir:
         scored = [s for g in groups for s in g.scored]
-        dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], scored, result.response_advantages,
+        generations = [generation for g in groups for generation in g.generations]
+        dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], scored, generations, result.response_advantages,
                       config.actor_rollout_ref.rollout.n, parallel)
     history.append({"step": step, **metrics})
     if run.due(step, trainer.plot_freq):
@@ -284,7 +287,9 @@ def build_step(config: GRPOConfig, run: Run, hf_config, train: list, scorer: Sco
     policy = PolicyActor(run.model, run.optimizer, run.scheduler, parallel, forward_settings(config, pad_id), loss_settings(config), update,
                          config.update_batching, log_prob_batching)
     reference = None
-    if actor.use_kl_loss or kl_ctrl is not None:
+    if (actor.use_kl_loss or kl_ctrl is not None) and has_adapters(run.model):
+        reference = run.model
+    elif actor.use_kl_loss or kl_ctrl is not None:
         ref_fsdp = type(actor.fsdp_config)(**{**vars(actor.fsdp_config), "cpu_offload": ref.fsdp_config.param_offload})
         reference = build_sharded_model(model.path, model, ref_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
     engine = build_engine(config, parallel, pad_id)

@@ -10,9 +10,10 @@ from fsdptrain.config.shared import OptimConfig
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train (all of them, or a LoRA model's adapters)."""
     # The fused kernel (CPU and CUDA) updates each parameter in one pass instead of a dozen elementwise ops.
     return torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay, fused=True
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay, fused=True
     )
 
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedToken
 
 from fsdptrain.checkpoint.manager import CheckpointManager, Stateful
 from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_directory
-from fsdptrain.config.shared import FSDPConfig, ModelConfig, OptimConfig, TrainerConfig
+from fsdptrain.config.shared import FSDPConfig, LoRASettings, ModelConfig, OptimConfig, TrainerConfig
 from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
 from fsdptrain.errors import ConfigError
@@ -71,10 +71,11 @@ def build_sharded_model(
     packed: bool,
     trainable: bool,
     auto_class: type = AutoModelForCausalLM,
+    lora: LoRASettings | None = None,
 ) -> nn.Module:
-    """A sharded model (trained or frozen; a causal LM, or what `auto_class` builds) with the CPU speed-ups that
-    `trainer.cpu_speedups` switches on."""
-    sharded = build_model(path, model, fsdp, hf_config, parallel, packed, trainable, auto_class)
+    """A sharded model (trained or frozen; a causal LM, or what `auto_class` builds; with `lora`, its adapters
+    trained) with the CPU speed-ups that `trainer.cpu_speedups` switches on."""
+    sharded = build_model(path, model, fsdp, hf_config, parallel, packed, trainable, auto_class, lora, trainer.seed)
     host_memory = parallel.device.type == "cpu" or fsdp.cpu_offload
     apply_cpu_speedups(sharded, trainer.cpu_speedups, parallel, host_memory)
     return sharded
@@ -138,16 +139,17 @@ def open_run(
     run_config: dict,
     states: dict[str, Stateful] | None = None,
     companions: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
+    lora: LoRASettings | None = None,
 ) -> Run:
-    """Build the trained model, its optimizer and LR schedule, resume the checkpoint that trainer.resume_mode
-    selects (with the trainer's own `states` beside the scheduler, and its `companions`: other trained models
-    with their optimizers), and open the logger and progress bar."""
-    trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, packed, trainable=True)
+    """Build the trained model (its `lora` adapters alone, if given), its optimizer and LR schedule, resume the
+    checkpoint that trainer.resume_mode selects (with the trainer's own `states` beside the scheduler, and its
+    `companions`: other trained models with their optimizers), and open the logger and progress bar."""
+    trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, packed, trainable=True, lora=lora)
     optimizer = build_optimizer(trained, optim)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     checkpoints = CheckpointManager(
         trainer, parallel, trained, optimizer, tokenizer, fsdp.model_dtype, {"scheduler": scheduler, **(states or {})}, run_config,
-        companions,
+        companions, lora, path,
     )
     step = checkpoints.resume()
     logger = MetricLogger(

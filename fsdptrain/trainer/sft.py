@@ -84,7 +84,7 @@ def run_sft(config: SFTConfig) -> None:
 
     run = open_run(
         parallel, config.trainer, path, config.model, config.model.fsdp_config, config.optim, hf_config, tokenizer,
-        packed=config.use_remove_padding, total_steps=total_steps, run_config=asdict(config),
+        packed=config.use_remove_padding, total_steps=total_steps, run_config=asdict(config), lora=config.model.lora("model"),
     )
     model = run.model
     batches, batches_epoch = [], -1

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdptrain.distributed.fsdp import full_parameters
+from fsdptrain.models.lora import merged_weights
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.hf import HFRollout
 from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
@@ -48,5 +48,6 @@ def engine_index(rank: int, tensor_parallel_size: int) -> int:
 
 
 def sync_weights(model: nn.Module, engine: RolloutEngine, bucket_bytes: int) -> None:
-    """The sharded model's full weights into the engine, gathered `bucket_bytes` at a time in the engine's dtype."""
-    engine.update_weights(full_parameters(model, engine.dtype, bucket_bytes=bucket_bytes))
+    """The sharded model's full weights (a LoRA model's merged) into the engine, gathered `bucket_bytes` at a time
+    in the engine's dtype."""
+    engine.update_weights(merged_weights(model, engine.dtype, bucket_bytes=bucket_bytes))
