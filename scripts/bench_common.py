@@ -69,3 +69,13 @@ def launch(cmd, env=None) -> dict:
     if process.returncode:
         raise SystemExit(f"{' '.join(cmd[:6])} ... failed:\n{err[-4000:]}")
     return {"rss_gb": memory["rss"] / 2**30, "shared_once_gb": memory["shared_once"] / 2**30, "max_proc_rss_gb": memory["max_rss"] / 2**30}
+
+
+def checkpoint_mb(run_dir: str) -> float:
+    """Megabytes of the sharded model and optimizer state of a run's last checkpoint (what a resume reads)."""
+    steps = sorted((d for d in os.listdir(run_dir) if d.startswith("global_step_")), key=lambda d: int(d.rsplit("_", 1)[1]))
+    total = 0
+    for part in ("model", "optimizer"):
+        folder = os.path.join(run_dir, steps[-1], part)
+        total += sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    return total / 2**20

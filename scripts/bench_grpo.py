@@ -3,7 +3,7 @@ its vLLM colocate mode), the same training through each system, one system at a 
 
     python scripts/bench_grpo.py --model runs/quickstart/smollm2 --data runs/quickstart/data [--steps 4] [--prompts 4]
         [--responses 8] [--max-new-tokens 32] [--nproc 2] [--systems fsdptrain-hf,fsdptrain-vllm,trl-hf,trl-vllm] [--json out.json]
-        [--fsdptrain-overrides key=value ...]
+        [--fsdptrain-overrides key=value ...] [--lora-rank 16] [--checkpoint-size]
 
 The same in every system: the model (fp32 on CPU), the prompts (the RL training split of make_arithmetic_data.py,
 in order), `--prompts` prompts x `--responses` responses a step sampled at temperature 1 up to `--max-new-tokens` tokens, the
@@ -34,9 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_common import launch, torchrun  # noqa: E402
+from bench_common import checkpoint_mb, launch, torchrun  # noqa: E402
 
-SYSTEMS = ("fsdptrain-hf", "fsdptrain-vllm", "trl-hf", "trl-vllm")
+SYSTEMS = ("fsdptrain-hf", "fsdptrain-vllm", "trl-hf", "trl-vllm", "fsdptrain-hf-lora", "fsdptrain-vllm-lora")
 LR, WEIGHT_DECAY = 2e-6, 0.01
 
 
@@ -53,8 +53,11 @@ def run_fsdptrain(system: str, args) -> dict:
            f"actor_rollout_ref.rollout.n={args.responses}", f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.responses}",
            f"actor_rollout_ref.rollout.name={system.split('-')[1]}", f"actor_rollout_ref.rollout.gpu_memory_utilization={args.vllm_memory}",
            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.resume_mode=disable", "trainer.logger=[file]",
-           f"trainer.default_local_dir={out}", "trainer.checkpoint.save_contents=[]", f"trainer.rollout_data_dir={out}/rollouts",
+           f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out}/rollouts", "trainer.save_freq=-1",  # -1: the last step alone
+           f"trainer.checkpoint.save_contents={'[model,optimizer]' if args.checkpoint_size else '[]'}",
            f"custom_reward_function.path={args.reward or 'null'}", *args.fsdptrain_overrides]
+    if system.endswith("-lora"):
+        cmd += [f"actor_rollout_ref.model.lora_rank={args.lora_rank}", f"actor_rollout_ref.model.lora_alpha={2 * args.lora_rank}"]
     memory = launch(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
@@ -66,7 +69,8 @@ def run_fsdptrain(system: str, args) -> dict:
               "trained_tokens": (m["response_length/mean"] + m["prompt_length/mean"]) * responses} for m in metrics]
     return {"steps": steps, "reward": metrics[-1]["critic/score/mean"], "first_loss": metrics[0]["actor/pg_loss"],
             "first_loss_expected": expected_first_loss([(r["advantage"], r["response_length"]) for r in rows]),
-            "probs_diff_max": max((m.get("training/rollout_probs_diff_max", float("nan")) for m in metrics), default=float("nan")), **memory}
+            "probs_diff_max": max((m.get("training/rollout_probs_diff_max", float("nan")) for m in metrics), default=float("nan")),
+            "checkpoint_mb": checkpoint_mb(out) if args.checkpoint_size else None, **memory}
 
 
 def expected_first_loss(advantages_and_lengths) -> float:
@@ -182,19 +186,20 @@ def summary(result: dict) -> dict:
 def table(results: dict) -> str:
     base = results.get("fsdptrain-vllm") or results.get("fsdptrain-hf")
     lines = ["| system | step s | vs fsdptrain | gen s | old log-prob s | update s | sync s (share) | gen tok/s | trained tok/s "
-             "| peak GB/process | reward, last step | first loss (expected) | engine prob diff max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GB/process | reward, last step | first loss (expected) | engine prob diff max | checkpoint MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for system, r in results.items():
         if "error" in r:
-            lines.append(f"| {system} | did not run: {r['error']} |" + " |" * 11)
+            lines.append(f"| {system} | did not run: {r['error']} |" + " |" * 12)
             continue
         s = summary(r)
         ratio = s["step_s"] / summary(base)["step_s"] if base and "error" not in base else float("nan")
         diff = r.get("probs_diff_max", float("nan"))  # TRL logs its engine's agreement only with its correction on
+        checkpoint = f"{r['checkpoint_mb']:.1f}" if r.get("checkpoint_mb") is not None else ""
         lines.append(f"| {system} | {s['step_s']:.1f} | {ratio:.2f}x | {s['gen_s']:.1f} | {s['old_log_prob_s']:.1f} | {s['update_s']:.1f} "
                      f"| {s['sync_s']:.2f} ({s['sync_s'] / s['step_s']:.0%}) | {s['generated_tokens_per_s']:.0f} "
                      f"| {s['trained_tokens_per_s']:.0f} | {r['max_proc_rss_gb']:.2f} | {r['reward']:.3f} "
-                     f"| {r['first_loss']:.6f} ({r['first_loss_expected']:.6f}) | {diff:.1e} |")
+                     f"| {r['first_loss']:.6f} ({r['first_loss_expected']:.6f}) | {diff:.1e} | {checkpoint} |")
     return "\n".join(lines)
 
 
@@ -209,7 +214,10 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--reward", help="a Python file whose compute_score(data_source, solution_str, ground_truth, extra_info) scores")
     parser.add_argument("--vllm-memory", type=float, default=0.15, help="gpu_memory_utilization of every vLLM engine")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS[:4]), help=f"any of {', '.join(SYSTEMS)} (-lora: LoRA rows)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="lora_rank of the -lora rows (lora_alpha twice it)")
+    parser.add_argument("--checkpoint-size", action="store_true",
+                        help="fsdptrain rows save their model and optimizer once, after the last (timed) step, and show its size")
     parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for the fsdptrain rows")
     parser.add_argument("--work", default="/tmp/bench_grpo")
     parser.add_argument("--json")

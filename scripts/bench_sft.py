@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_common import launch, torchrun  # noqa: E402
+from bench_common import checkpoint_mb, launch, torchrun  # noqa: E402
 
 
 # ---- data shared by every system ---------------------------------------------------------------------
@@ -145,14 +145,16 @@ def run_fsdptrain(args, steps: list, variant: list[str]) -> dict:
            "optim.lr_warmup_steps=0", f"trainer.total_training_steps={args.steps}", "trainer.logger=[file]",
            f"model.fsdp_config.mixed_precision.param_dtype={'bf16' if args.bf16 else 'fp32'}",
            "optim.betas=[0.9,0.999]", *args.fsdptrain_overrides, *variant,  # HF's AdamW betas, so that the runs agree
-           f"trainer.default_local_dir={out}", "trainer.checkpoint.save_contents=[]", "trainer.resume_mode=disable"]
+           f"trainer.default_local_dir={out}", "trainer.resume_mode=disable", "trainer.save_freq=-1",  # -1: at the last step alone
+           f"trainer.checkpoint.save_contents={'[model,optimizer]' if args.checkpoint_size else '[]'}"]
     memory = launch(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     # perf/tokens_per_sec is (tokens of the step) / (the step's time): recover each step's time.
     times = [s[0] / m["perf/tokens_per_sec"] for s, m in zip(steps, metrics)][1:]
     return {"losses": [m["train/loss"] for m in metrics], "step_times": times, **memory,
-            "cuda_peak_gb": metrics[-1]["perf/max_memory_gb"] if torch.cuda.is_available() else None}
+            "cuda_peak_gb": metrics[-1]["perf/max_memory_gb"] if torch.cuda.is_available() else None,
+            "checkpoint_mb": checkpoint_mb(out) if args.checkpoint_size else None}
 
 
 def run_hf_system(system: str, args) -> dict:
@@ -250,6 +252,8 @@ def parse_args() -> tuple[argparse.Namespace, dict[str, list[str]]]:
     parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for every fsdptrain row")
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="KEY=VALUE",
                         help="another fsdptrain row, named by these settings (repeat for more); the first row is its defaults")
+    parser.add_argument("--checkpoint-size", action="store_true",
+                        help="fsdptrain rows save their model and optimizer once, after the last (timed) step, and show its size")
     parser.add_argument("--json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -310,7 +314,8 @@ def report(args: argparse.Namespace, results: dict[str, dict], steps: list, n_pa
     width = max(22, *map(len, results))
     print(f"{'system':<{width}} {'loss tok/s':>10} {'x':>5} {'tok/s':>8} "
           + "".join(f"{key[:-3].replace('_', ' ') + ' GB':>16} {'x':>5} " for key in memory_keys)
-          + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11} {'loss tok/s of each run':>24}")
+          + f"{'MFU':>6} {'step-1 loss':>11} {'step-N loss':>11} {'max |dloss|':>11} {'loss tok/s of each run':>24}"
+          + (f" {'ckpt MB':>9}" if args.checkpoint_size else ""))
     rows = []
     for system, r in results.items():
         seconds = sum(r["step_times"])
@@ -318,7 +323,7 @@ def report(args: argparse.Namespace, results: dict[str, dict], steps: list, n_pa
         row = {"system": system, "loss_tokens_per_s": loss_tokens / seconds, "loss_tokens_per_s_every_run": every_run,
                "tokens_per_s": total_tokens / seconds,
                **{key: r[key] for key in memory_keys}, "mfu": flops / seconds / peak, "losses": r["losses"],
-               "step_seconds": r["step_times"],
+               "step_seconds": r["step_times"], "checkpoint_mb": r.get("checkpoint_mb"),
                "max_loss_diff_vs_fsdptrain": max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else None}
         rows.append(row)
         nan = float("nan")  # ratios and loss differences need fsdptrain among the systems
@@ -327,7 +332,8 @@ def report(args: argparse.Namespace, results: dict[str, dict], steps: list, n_pa
         print(f"{system:<{width}} {row['loss_tokens_per_s']:>10.0f} {speed:>5.2f} {row['tokens_per_s']:>8.0f} "
               + "".join(f"{r[key]:>16.2f} {r[key] / base[key] if base else nan:>5.2f} " for key in memory_keys)
               + f"{row['mfu']:>6.1%} {r['losses'][0]:>11.4f} {r['losses'][-1]:>11.4f} {diff:>11.4f} "
-              + f"{' '.join(f'{x:.0f}' for x in every_run):>24}")
+              + f"{' '.join(f'{x:.0f}' for x in every_run):>24}"
+              + (f" {row['checkpoint_mb'] or nan:>9.1f}" if args.checkpoint_size else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "steps": args.steps, "batch": args.batch, "repeats": args.repeats, "device": device,

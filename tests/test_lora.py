@@ -7,6 +7,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.verl_keys import translate
 from fsdptrain.errors import ConfigError
 
-from conftest import assert_same_run, assert_same_weights, hf_weights, read_metrics, run_sft, save_tiny_model, torchrun
+from conftest import REPO, assert_same_run, assert_same_weights, hf_weights, read_metrics, run_sft, save_tiny_model, torchrun
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 from test_verl_keys import script_overrides, with_local
 
@@ -112,7 +114,8 @@ def lora_straight(tmp_path_factory, tiny_llama, chat_data) -> str:
 @pytest.mark.slow
 def test_a_lora_run_resumes_on_another_world_size_from_its_adapters(tmp_path, tiny_llama, chat_data, lora_straight):
     """Saved with 2 processes, resumed with 1: the same losses and merged weights as the run left alone; its
-    checkpoint holds the adapters and their optimizer state, a few percent of the model."""
+    checkpoint holds the adapters and their optimizer state, a few percent of the model, and the offline export
+    merges them into the pretrained folder as the run's own export does."""
     resumed = str(tmp_path / "resumed")
     os.makedirs(resumed)
     shutil.copytree(f"{lora_straight}/global_step_2", f"{resumed}/global_step_2")
@@ -127,6 +130,9 @@ def test_a_lora_run_resumes_on_another_world_size_from_its_adapters(tmp_path, ti
 
     model_bytes = size(f"{lora_straight}/global_step_4/huggingface")
     assert size(f"{lora_straight}/global_step_4/model") + size(f"{lora_straight}/global_step_4/optimizer") < 0.1 * model_bytes
+    subprocess.run([sys.executable, "-m", "fsdptrain.checkpoint.export", f"{lora_straight}/global_step_4", "--out", str(tmp_path / "export")],
+                   cwd=REPO, check=True, capture_output=True)
+    assert_same_weights(load_file(tmp_path / "export" / "model.safetensors"), hf_weights(f"{lora_straight}/global_step_4"), atol=1e-6)
     refused = run_sft(1, tiny_llama, chat_data, resumed, check=False, **{**LORA_SFT, "model__lora_rank": 8, "trainer__total_training_steps": 6})
     assert refused.returncode != 0 and "was trained with LoRA" in refused.stderr
 

@@ -65,7 +65,7 @@ def test_every_mistake_of_a_command_line_is_reported_at_once():
         "data.train_filez: not a key of fsdptrain's grpo_trainer.yaml (did you mean data.train_files?)",
         "actor_rollout_ref.actor.ppo_mini_batchsize: not a key of fsdptrain's grpo_trainer.yaml (did you mean "
         "actor_rollout_ref.actor.ppo_mini_batch_size?)",
-        "critic.model.lora_rank=8: LoRA is not built yet; train the critic's full weights (remove the key)",
+        "critic.model.lora_rank=8: LoRA is built for the policy (actor_rollout_ref.model.lora_rank), not yet for the critic; train the critic's full weights (remove the key)",
         "trainer.nnodes (1) x trainer.n_gpus_per_node (8) must equal the number of processes torchrun started (2): launch with "
         "--nnodes=1 --nproc_per_node=8, or fix the keys",
     ]
@@ -107,7 +107,7 @@ def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass(
     assert translate(["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "critic.model.lora_rank=0", "actor_rollout_ref.rollout.mode=sync",
                       "trainer.default_hdfs_dir=null"], "grpo", 2) == ([], [])
     _, problems = translate(["critic.model.lora_rank=@5", "actor_rollout_ref.model.use_liger=`yes`"], "grpo", 1)  # not YAML: named, no crash
-    assert problems == ["critic.model.lora_rank=@5: LoRA is not built yet; train the critic's full weights (remove the key)"]
+    assert problems == ["critic.model.lora_rank=@5: LoRA is built for the policy (actor_rollout_ref.model.lora_rank), not yet for the critic; train the critic's full weights (remove the key)"]
     _, problems = translate(["critic.ppo_micro_batch_size=64"], "grpo", 1)
     assert problems == ["critic.ppo_micro_batch_size=64: a global micro-batch size is not taken; use critic.ppo_micro_batch_size_per_gpu"]
     overrides, problems = translate(["model.fsdp_config.offload_params=true", "trainer.nnodes=2"], "sft", 2)

@@ -194,23 +194,7 @@ class CheckpointManager:
                 "config": self.run_config,
             }
             self._run_on_main(lambda: torch.save(extra, os.path.join(tmp, "extra", "state.pt")))
-        hf_dtype = self.config.checkpoint.hf_dtype or self.model_dtype
-        full_state = None
-        if "hf_model" in self.save_contents:
-            # Rank 0 keeps each full parameter in host memory as it arrives; the others drop theirs at once.
-            full_state = {}
-            for name, tensor in merged_weights(self.model, DTYPES[hf_dtype]):
-                if self.parallel.is_main:
-                    full_state[name] = tensor.cpu()
-        self._run_on_main(
-            lambda: save_hf_folder(
-                os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype
-            )
-        )
-
-        if "lora_adapter" in self.save_contents:
-            adapters = adapter_weights(self.model)
-            self._run_on_main(lambda: save_adapter(os.path.join(tmp, "lora_adapter"), adapters, self.lora, self.base_model))
+        self._export(tmp)
 
         def publish() -> None:
             meta = {
@@ -231,6 +215,26 @@ class CheckpointManager:
         fault_point("save", step)
         self._run_on_main(publish)
         return final
+
+    def _export(self, tmp: str) -> None:
+        """The folders other tools load: huggingface/ (config and tokenizer; the merged weights with hf_model) and,
+        with lora_adapter, the adapters in peft's format."""
+        hf_dtype = self.config.checkpoint.hf_dtype or self.model_dtype
+        full_state = None
+        if "hf_model" in self.save_contents:
+            # Rank 0 keeps each full parameter in host memory as it arrives; the others drop theirs at once.
+            full_state = {}
+            for name, tensor in merged_weights(self.model, DTYPES[hf_dtype]):
+                if self.parallel.is_main:
+                    full_state[name] = tensor.cpu()
+        self._run_on_main(
+            lambda: save_hf_folder(
+                os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype
+            )
+        )
+        if "lora_adapter" in self.save_contents:
+            adapters = adapter_weights(self.model)
+            self._run_on_main(lambda: save_adapter(os.path.join(tmp, "lora_adapter"), adapters, self.lora, self.base_model))
 
     def _lora_meta(self) -> dict[str, Any] | None:
         """What the saved adapters' shapes and names depend on."""
