@@ -5,6 +5,7 @@ Allowed names come from the dispatch tables they select from (core_algos, the ro
 filter keys), so a new estimator, loss or engine is allowed where it is defined.
 """
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from fsdptrain.config.shared import (
 )
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, CRITIC_ADVANTAGE, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.rl.rewards import VERIFIERS
 from fsdptrain.rl.rollout import ENGINES
 from fsdptrain.rl.sampling import FILTER_KEYS
 
@@ -258,6 +260,10 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig
     filter_groups: FilterGroupsConfig
     rollout_correction: RolloutCorrectionConfig
+    reward_norm: str | None
+    reward_norm_minus_mean: bool
+    reward_clip: float | None
+    advantage_clip: float | None
 
 
 def validate_algorithm(algorithm: AlgorithmConfig, rollout: RolloutConfig, use_kl_loss: bool) -> None:
@@ -296,6 +302,16 @@ def validate_algorithm(algorithm: AlgorithmConfig, rollout: RolloutConfig, use_k
                           stacklevel=3)
 
 
+def validate_reward_shaping(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
+    def norm() -> None:
+        one_of("algorithm.reward_norm", algorithm.reward_norm, (None, "batch", "group", "running"))
+        if algorithm.reward_norm == "group" and rollout.n < 2:
+            raise ConfigError(f"algorithm.reward_norm=group normalizes over each prompt's responses: {ROLLOUT}.n must be >= 2, got {rollout.n}")
+
+    check_all([norm, lambda: positive("algorithm.reward_clip", algorithm.reward_clip, allow_none=True),
+               lambda: positive("algorithm.advantage_clip", algorithm.advantage_clip, allow_none=True)])
+
+
 @dataclass
 class CustomRewardConfig:
     path: str | None
@@ -303,8 +319,29 @@ class CustomRewardConfig:
 
 
 @dataclass
+class RewardSourceConfig:
+    name: str
+    function: str
+    path: str | None = None
+    weight: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     custom_reward_function: CustomRewardConfig
+    sources: list[RewardSourceConfig]
+
+
+def validate_reward_sources(sources: list[RewardSourceConfig]) -> None:
+    names = [source.name for source in sources]
+    for i, source in enumerate(sources):
+        key = f"reward.sources[{i}]"
+        if not source.name or "/" in source.name or source.name in names[:i]:
+            raise ConfigError(f"{key}.name={source.name!r}: each source needs its own name (without '/'; it names its metric)")
+        if source.path is None:
+            one_of(f"{key}.function", source.function, tuple(VERIFIERS))
+        if not math.isfinite(source.weight):
+            raise ConfigError(f"{key}.weight must be a finite number, got {source.weight}")
 
 
 @dataclass
@@ -329,6 +366,12 @@ def resolve_reward_function(legacy: CustomRewardConfig, newer: CustomRewardConfi
         raise ConfigError(f"custom_reward_function.path ({legacy.path}) and reward.custom_reward_function.path ({newer.path}) "
                           "disagree: set one of them")
     return CustomRewardConfig(newer.path, newer.name or legacy.name)
+
+
+def check_one_reward_definition(config: "GRPOConfig") -> None:
+    if config.reward.sources and (config.custom_reward_function.path or config.reward.custom_reward_function.path):
+        raise ConfigError("reward.sources with a custom_reward_function.path: list the function among the sources "
+                          "({name: ..., path: FILE, function: NAME, weight: ...})")
 
 
 def validate_reward_model(reward_model: RewardModelConfig, max_response_length: int) -> None:
@@ -421,11 +464,14 @@ def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfi
         lambda: validate_rollout(rollout, actor.ulysses_sequence_parallel_size),
         lambda: positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
         lambda: validate_algorithm(config.algorithm, rollout, actor.use_kl_loss),
+        lambda: validate_reward_shaping(config.algorithm, rollout),
         *([lambda: validate_critic(config.critic), lambda: check_critic_mesh(config.critic, actor.ulysses_sequence_parallel_size),
            lambda: check_critic_batches(config)]
           if config.uses_critic else []),
         lambda: check_critic_estimator(config),
         lambda: validate_reward_model(config.reward_model, data.max_response_length),
+        lambda: validate_reward_sources(config.reward.sources),
+        lambda: check_one_reward_definition(config),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: setattr(config, "custom_reward_function", resolve_reward_function(config.custom_reward_function,
                                                                                    config.reward.custom_reward_function)),

@@ -1,4 +1,4 @@
-"""The pictures of an RL run: score, response length and validation accuracy against the step, and the latest
+"""The pictures of an RL run: score, response length, each reward source and validation accuracy against the step, and the latest
 step's response lengths, as PNG files (matplotlib, drawn off screen). Also a command, for a run's metrics file:
 
     python -m fsdptrain.logging.plots RUN_DIR/metrics.jsonl OUT_DIR
@@ -34,12 +34,21 @@ def _band(history: Sequence[dict], key: str, label: str, title: str, path: str) 
 
 
 def write_plots(history: Sequence[dict], response_lengths: Sequence[int] | None, directory: str) -> list[str]:
-    """`{directory}/score.png` and `response_length.png` (mean, min and max per step), `val_acc.png` (each
-    validation accuracy metric, where any was logged) and, given the latest step's response lengths,
+    """`{directory}/score.png` and `response_length.png` (mean, min and max per step), `reward_sources.png` (each
+    weighted reward source's mean score, where there are several), `val_acc.png` (each validation accuracy metric,
+    where any was logged) and, given the latest step's response lengths,
     `response_length_hist.png`. Returns the paths."""
     os.makedirs(directory, exist_ok=True)
     paths = [_band(history, "critic/score", "score", "Training score", os.path.join(directory, "score.png")),
              _band(history, "response_length", "tokens", "Response length", os.path.join(directory, "response_length.png"))]
+    sources = sorted({k for m in history for k in m if k.startswith("critic/rewards/") and k.endswith("/mean") and k.count("/") == 3})
+    if sources:
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for key in sources:
+            axes.plot([m["step"] for m in history], [m[key] for m in history], label=key.split("/")[2])
+        axes.set(xlabel="step", ylabel="mean score", title="Reward sources (unweighted)")
+        axes.legend()
+        paths.append(_save(figure, os.path.join(directory, "reward_sources.png")))
     accuracies = sorted({k for m in history for k in m if k.startswith("val-core/") and "/acc/" in k})
     if accuracies:
         figure, axes = plt.subplots(figsize=(6, 4))

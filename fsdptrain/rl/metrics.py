@@ -13,6 +13,7 @@ from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists, max_o
 from fsdptrain.logging.metrics import MetricLogger
 from fsdptrain.logging.plots import write_plots
 from fsdptrain.rl.data import Prompt
+from fsdptrain.rl.rewards import SOURCE
 from fsdptrain.rl.rollout.base import Generation
 
 
@@ -21,6 +22,13 @@ def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict
     total, count = all_reduce_sum([float(sum(values)), float(len(values))], parallel.device, parallel.dp_group)
     return {f"{name}/mean": total / max(count, 1.0), f"{name}/max": max_over_ranks(max(values, default=-math.inf), parallel.device),
             f"{name}/min": -max_over_ranks(-min(values, default=math.inf), parallel.device)}
+
+
+def source_metrics(scored: Sequence[dict], parallel: Parallel) -> dict[str, float]:
+    """Each weighted reward source's mean score over the step (critic/rewards/NAME/mean)."""
+    names = sorted(key for key in scored[0] if key.startswith(SOURCE))
+    means = all_reduce_sum([float(sum(s[key] for s in scored)) for key in names] + [float(len(scored))], parallel.device, parallel.dp_group)
+    return {f"critic/rewards/{key.removeprefix(SOURCE)}/mean": total / means[-1] for key, total in zip(names, means)}
 
 
 def critic_metrics(samples: Sequence[Sample], generations: Sequence[Generation], parallel: Parallel) -> dict[str, float]:

@@ -101,23 +101,71 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     )
 
 
-def load_reward_function(path: str | None, name: str | None) -> RewardFn:
-    """The user's function `name` from the Python file `path`, or the built-in rules when no path is given."""
+def strict_format_score(solution: str) -> float:
+    """1 where the response ends with its answer as `#### <number>` (GSM8K's format), else 0."""
+    return float(re.search(r"#### -?[0-9][0-9,]*(\.[0-9]+)?\s*$", solution) is not None)
+
+
+# Built-in verifiers, by the name a reward source gives as its `function`; each has verl's signature.
+VERIFIERS: dict[str, RewardFn] = {
+    "rules": default_compute_score,
+    "gsm8k": lambda data_source, solution, ground_truth, extra_info=None: gsm8k_score(solution, ground_truth),
+    "gsm8k_flexible": lambda data_source, solution, ground_truth, extra_info=None: gsm8k_score(solution, ground_truth, "flexible"),
+    "math": lambda data_source, solution, ground_truth, extra_info=None: math_score(solution, ground_truth),
+    "strict_format": lambda data_source, solution, ground_truth, extra_info=None: strict_format_score(solution),
+}
+
+
+def load_reward_function(path: str | None, name: str | None, key: str = "custom_reward_function") -> RewardFn:
+    """The user's function `name` from the Python file `path`, or the built-in rules when no path is given; errors
+    name the keys under `key`."""
     if not path:
         return default_compute_score
     if not os.path.isfile(path):
-        raise RewardError(f"custom_reward_function.path={path!r}: no such file")
+        raise RewardError(f"{key}.path={path!r}: no such file")
     spec = importlib.util.spec_from_file_location("fsdptrain_custom_reward", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise RewardError(f"custom_reward_function.path={path!r} failed to import: {type(e).__name__}: {e}") from e
+        raise RewardError(f"{key}.path={path!r} failed to import: {type(e).__name__}: {e}") from e
     name = name or "compute_score"
     function = getattr(module, name, None)
     if not callable(function):
-        raise RewardError(f"custom_reward_function.name={name!r}: {path} defines no such function")
+        raise RewardError(f"{key}.{'function' if key.startswith('reward.sources') else 'name'}={name!r}: {path} defines no such function")
     return function
+
+
+SOURCE = "source/"  # the prefix of a reward source's own score among a sample's scores
+
+
+@dataclass(frozen=True)
+class RewardSource:
+    name: str
+    fn: RewardFn
+    weight: float
+
+
+def load_reward_sources(sources: Sequence[Any]) -> list[RewardSource]:
+    """reward.sources as RewardSources: each a built-in verifier, or a function of a user's file."""
+    return [RewardSource(s.name, load_reward_function(s.path, s.function, f"reward.sources[{i}]") if s.path else VERIFIERS[s.function], s.weight)
+            for i, s in enumerate(sources)]
+
+
+def weighted_sources(sources: Sequence[RewardSource]) -> RewardFn:
+    """One reward function of verl's signature over several sources: `score` is the weighted sum of their scores,
+    `acc` the first source's, and each source's own score is kept as `source/NAME`."""
+
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+        result = {"score": 0.0}
+        for source in sources:
+            scores = score_sample(source.fn, data_source, solution_str, ground_truth, extra_info, f"reward source {source.name!r}")
+            result["score"] += source.weight * scores["score"]
+            result.setdefault("acc", scores["acc"])
+            result[f"{SOURCE}{source.name}"] = scores["score"]
+        return result
+
+    return compute_score
 
 
 def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: Any, extra_info: dict | None, sample: str) -> dict:

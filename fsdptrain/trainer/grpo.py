@@ -31,8 +31,9 @@ from fsdptrain.rl.actor import ForwardSettings, LossSettings, PolicyActor, Updat
 from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize_kl, put_token_values, token_advantages
 from fsdptrain.rl.critic import Critic, ValueLossSettings
 from fsdptrain.rl.data import load_prompts
-from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, plot, step_metrics
-from fsdptrain.rl.rewards import OverlongBuffer, Scorer, load_reward_function
+from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, plot, source_metrics, step_metrics
+from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
+from fsdptrain.rl.rewards import OverlongBuffer, Scorer, load_reward_function, load_reward_sources, weighted_sources
 from fsdptrain.rl.rollout import EngineSpec, build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.vllm import EngineSettings
@@ -72,6 +73,7 @@ class GRPOStep:
     sampler: GroupSampler
     critic: Critic | None  # PPO's (a critic estimator)
     kl_ctrl: core_algos.KLController | None  # the KL in the reward
+    shaping: RewardShaping  # reward normalization and clipping
     # One mini-batch, one epoch: the old policy is the current one (ratio exactly 1), unless the reward's KL or the
     # rollout correction needs its log-probs before the loss; the engine's agreement metrics can then wait for the
     # update's forward, which computes the same log-probs.
@@ -97,8 +99,13 @@ class GRPOStep:
             with timer("values"):
                 self.critic.values(samples)
         with timer("reward"):
-            scores = torch.tensor([s["seq_reward"] for g in groups for s in g.scored])
-            token_rewards = outcome_rewards(scores, generations)
+            scored = [s for g in groups for s in g.scored]
+            scores = torch.tensor([s["seq_reward"] for s in scored])
+            if config.reward.sources:
+                metrics.update(source_metrics(scored, parallel))
+            rewards, shaping_metrics = self.shaping(scores, parallel)
+            metrics.update(shaping_metrics)
+            token_rewards = outcome_rewards(rewards, generations)
             if self.kl_ctrl is not None:
                 metrics.update(penalize_kl(token_rewards, samples, generations, self.kl_ctrl, algorithm.kl_penalty, parallel))
         with timer("adv"):
@@ -109,6 +116,8 @@ class GRPOStep:
             else:
                 advantages = token_advantages(token_rewards, generations, config.actor_rollout_ref.rollout.n, algorithm.adv_estimator,
                                               algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, parallel)
+            if algorithm.advantage_clip is not None:
+                metrics.update(clip_advantages(advantages, generations, algorithm.advantage_clip, parallel))
             put_token_values(samples, generations, advantages, "advantage")
         if self.critic is not None:
             with timer("update_critic"):
@@ -140,22 +149,30 @@ def run_grpo(config: GRPOConfig) -> None:
     if config.sequence_length > getattr(hf_config, "max_position_embeddings", config.sequence_length):
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {config.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
-    reward_fn = load_reward_function(config.custom_reward_function.path, config.custom_reward_function.name)
+    if config.reward.sources:
+        reward_fn = weighted_sources(load_reward_sources(config.reward.sources))
+    else:
+        reward_fn = load_reward_function(config.custom_reward_function.path, config.custom_reward_function.name)
     train, val = (load_rl_prompts(config, files, tokenizer, key) for files, key in ((config.data.train_files, "data.train_files"),
                                                                                    (config.data.val_files, "data.val_files")))
     total_steps = count_steps(trainer, len(train), config.data.train_batch_size, "prompts")
     kl_ctrl = build_kl_controller(config)
+    algorithm = config.algorithm
+    shaping = RewardShaping(algorithm.reward_norm, algorithm.reward_norm_minus_mean, algorithm.reward_clip, config.actor_rollout_ref.rollout.n,
+                            RunningMoments())
     cursor = PromptCursor()
     critic = build_critic(config, parallel, total_steps, len(tokenizer), tokenizer.pad_token_id) if config.uses_critic else None
     states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})}
     if critic is not None:
         states["critic_scheduler"] = critic.scheduler
+    if algorithm.reward_norm == "running":
+        states["reward_norm"] = shaping
     run = open_run(parallel, trainer, model_config.path, model_config, config.actor_rollout_ref.actor.fsdp_config,
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
                    run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None,
                    lora=model_config.lora("actor_rollout_ref.model"))
     scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config))
-    step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, critic, tokenizer.pad_token_id)
+    step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, shaping, critic, tokenizer.pad_token_id)
     engine = step_once.engine
     step_once.sync_weights()  # the resumed weights, before the first rollout
     val_kwargs, rollout = config.actor_rollout_ref.rollout.val_kwargs, config.actor_rollout_ref.rollout
@@ -273,7 +290,7 @@ def build_critic(config: GRPOConfig, parallel: Parallel, total_steps: int, vocab
 
 
 def build_step(config: GRPOConfig, run: Run, hf_config, train: list, scorer: Scorer, cursor: PromptCursor,
-               kl_ctrl: core_algos.KLController | None, critic: Critic | None, pad_id: int) -> GRPOStep:
+               kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None, pad_id: int) -> GRPOStep:
     """The step's parts, built with their settings resolved from the config: the actor on the run's model, the
     reference, the rollout engine (without weights until the first sync) and the sampler that drives it; the
     critic comes built (its checkpoint was resumed with the run's)."""
@@ -303,4 +320,4 @@ def build_step(config: GRPOConfig, run: Run, hf_config, train: list, scorer: Sco
     one_pass = (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size and kl_ctrl is None
                 and algorithm.rollout_correction.rollout_is is None)
     ref_batching = config.micro_batching(ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
-    return GRPOStep(config, policy, reference, ref_batching, engine, sampler, critic, kl_ctrl, one_pass, agreement)
+    return GRPOStep(config, policy, reference, ref_batching, engine, sampler, critic, kl_ctrl, shaping, one_pass, agreement)
