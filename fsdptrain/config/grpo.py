@@ -352,7 +352,20 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: str | None
+    input_tokenizer: str | None
+    trust_remote_code: bool
+    use_remove_padding: bool
+    fsdp_config: RefFSDPConfig
+
+
+@dataclass
 class RewardModelConfig:
+    enable: bool
+    weight: float
+    model: RewardModelModelConfig
+    micro_batch_size_per_gpu: int
     overlong_buffer: OverlongBufferConfig
 
 
@@ -374,7 +387,19 @@ def check_one_reward_definition(config: "GRPOConfig") -> None:
                           "({name: ..., path: FILE, function: NAME, weight: ...})")
 
 
+def check_reward_model_layout(config: "GRPOConfig") -> None:
+    if config.reward_model.enable and config.actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1:
+        raise ConfigError("reward_model.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1: the reward model "
+                          "scores whole sequences on each rank; sequence parallelism for it is not built yet")
+
+
 def validate_reward_model(reward_model: RewardModelConfig, max_response_length: int) -> None:
+    if reward_model.enable:
+        if not reward_model.model.path:
+            raise ConfigError("reward_model.enable=true needs reward_model.model.path: a sequence-classification model folder")
+        positive("reward_model.micro_batch_size_per_gpu", reward_model.micro_batch_size_per_gpu)
+        if not math.isfinite(reward_model.weight):
+            raise ConfigError(f"reward_model.weight must be a finite number, got {reward_model.weight}")
     overlong = reward_model.overlong_buffer
     if overlong.enable and not 0 < overlong.len <= max_response_length:
         raise ConfigError(f"reward_model.overlong_buffer.len must be in (0, data.max_response_length={max_response_length}], "
@@ -472,6 +497,7 @@ def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfi
         lambda: validate_reward_model(config.reward_model, data.max_response_length),
         lambda: validate_reward_sources(config.reward.sources),
         lambda: check_one_reward_definition(config),
+        lambda: check_reward_model_layout(config),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: setattr(config, "custom_reward_function", resolve_reward_function(config.custom_reward_function,
                                                                                    config.reward.custom_reward_function)),

@@ -216,18 +216,34 @@ class OverlongBuffer:
     penalty_factor: float
 
 
+def no_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """The reward function of a run scored by its reward model alone."""
+    return 0.0
+
+
 @dataclass(frozen=True)
 class Scorer:
-    """A rollout's scores: the reward function on each response, and `seq_reward`, what the step trains on, which
-    adds DAPO's overlong penalty to `score` where `overlong` is set."""
+    """A rollout's scores: the reward function on each response, plus the reward model's score times its weight
+    (where there is one: kept as `source/reward_model`), and `seq_reward`, what the step trains on, which adds DAPO's
+    overlong penalty to `score` where `overlong` is set."""
 
     reward_fn: RewardFn
     tokenizer: PreTrainedTokenizerBase
     n: int  # responses per prompt
     overlong: OverlongBuffer | None
+    reward_model: Callable[[Sequence[Generation], Sequence[Prompt], int], list[float]] | None = None
+    reward_model_weight: float = 1.0
 
     def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], where: str) -> list[dict]:
         scores = score_responses(self.reward_fn, self.tokenizer, prompts, [g.response_ids for g in generations], self.n, f"{where}, this rank's ")
+        if self.reward_model is not None:
+            for i, (scored, value) in enumerate(zip(scores, self.reward_model(generations, prompts, self.n))):
+                if not math.isfinite(value):
+                    raise RewardError(f"the reward model scored {value} for {where}, this rank's prompt {i // self.n}, response {i % self.n}")
+                scored[f"{SOURCE}reward_model"] = value
+                scored["score"] += self.reward_model_weight * value
+                if self.reward_fn is no_reward:
+                    scored["acc"] = float(scored["score"] > 0)
         for scored in scores:
             scored["seq_reward"] = scored["score"]
             if self.overlong is not None:

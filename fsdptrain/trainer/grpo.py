@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForTokenClassification
 
 from fsdptrain.config.grpo import GRPOConfig, check_rl_layout
-from fsdptrain.config.shared import MicroBatching
+from fsdptrain.config.shared import MicroBatching, ModelConfig
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import max_over_ranks
 from fsdptrain.dtypes import compute_dtype
@@ -32,8 +32,9 @@ from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize
 from fsdptrain.rl.critic import Critic, ValueLossSettings
 from fsdptrain.rl.data import load_prompts
 from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, plot, source_metrics, step_metrics
+from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
 from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
-from fsdptrain.rl.rewards import OverlongBuffer, Scorer, load_reward_function, load_reward_sources, weighted_sources
+from fsdptrain.rl.rewards import OverlongBuffer, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
 from fsdptrain.rl.rollout import EngineSpec, build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.vllm import EngineSettings
@@ -101,7 +102,7 @@ class GRPOStep:
         with timer("reward"):
             scored = [s for g in groups for s in g.scored]
             scores = torch.tensor([s["seq_reward"] for s in scored])
-            if config.reward.sources:
+            if config.reward.sources or config.reward_model.enable:
                 metrics.update(source_metrics(scored, parallel))
             rewards, shaping_metrics = self.shaping(scores, parallel)
             metrics.update(shaping_metrics)
@@ -151,6 +152,8 @@ def run_grpo(config: GRPOConfig) -> None:
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
     if config.reward.sources:
         reward_fn = weighted_sources(load_reward_sources(config.reward.sources))
+    elif config.reward_model.enable and not config.custom_reward_function.path:
+        reward_fn = no_reward
     else:
         reward_fn = load_reward_function(config.custom_reward_function.path, config.custom_reward_function.name)
     train, val = (load_rl_prompts(config, files, tokenizer, key) for files, key in ((config.data.train_files, "data.train_files"),
@@ -171,7 +174,9 @@ def run_grpo(config: GRPOConfig) -> None:
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
                    run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None,
                    lora=model_config.lora("actor_rollout_ref.model"))
-    scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config))
+    reward_model = build_reward_model(config, parallel, tokenizer) if config.reward_model.enable else None
+    scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config), reward_model,
+                    config.reward_model.weight)
     step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, shaping, critic, tokenizer.pad_token_id)
     engine = step_once.engine
     step_once.sync_weights()  # the resumed weights, before the first rollout
@@ -265,6 +270,24 @@ def loss_settings(config: GRPOConfig) -> LossSettings:
                         actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.loss_scale_factor,
                         config.data.max_response_length)
+
+
+def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer) -> RewardModel:
+    """reward_model.*: the sequence-classification checkpoint as a frozen, sharded token-classification model."""
+    settings, trainer = config.reward_model, config.trainer
+    model_config = ModelConfig(settings.model.trust_remote_code, enable_gradient_checkpointing=False,
+                               attn_implementation=config.actor_rollout_ref.model.attn_implementation)
+    hf_config = load_model_config(settings.model.path, "reward_model.model.path", model_config, sp_size=1)
+    if hf_config.num_labels != 1:
+        raise ConfigError(f"reward_model.model.path={settings.model.path!r} has {hf_config.num_labels} labels: a reward model has one")
+    tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
+    actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
+    fsdp = type(actor_fsdp)(**{**vars(actor_fsdp), "cpu_offload": settings.model.fsdp_config.param_offload})
+    model = build_sharded_model(settings.model.path, model_config, fsdp, hf_config, trainer, parallel, settings.model.use_remove_padding,
+                                trainable=False, auto_class=AutoModelForTokenClassification)
+    batching = MicroBatching(settings.micro_batch_size_per_gpu, False, None, "reward_model.micro_batch_size_per_gpu", "", "")
+    return RewardModel(model, parallel, batching, settings.model.use_remove_padding, tokenizer.pad_token_id, policy_tokenizer,
+                       None if same_tokenizer(tokenizer, policy_tokenizer) else tokenizer)
 
 
 def build_critic(config: GRPOConfig, parallel: Parallel, total_steps: int, vocabulary: int, pad_id: int) -> Critic:
