@@ -87,3 +87,11 @@ def test_bench_grpo_runs_fsdptrain_and_trl_with_the_same_first_loss(tmp_path, ti
         # At ratio 1 both losses are -sum A_i L_i / sum L_i of the system's own samples (rewards vary: not 0).
         assert abs(r["first_loss_expected"]) > 1e-3 and r["first_loss"] == pytest.approx(r["first_loss_expected"], rel=1e-4), system
         assert 0.2 < r["max_proc_rss_gb"] < 8
+
+
+def test_bench_reward_server_loads_the_server_and_reports_latency(tmp_path):
+    out = tmp_path / "server.json"
+    subprocess.run([sys.executable, "scripts/bench_reward_server.py", "--clients", "1", "4", "--requests", "16", "--texts", "3", "--json", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["clients"] for r in rows] == [1, 4] and all(r["requests"] == 16 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)

@@ -361,11 +361,23 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class RemoteRewardConfig:
+    weight: float
+    batch_size: int
+    max_concurrency: int
+    timeout_s: float
+    retries: int
+    backoff_s: float
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool
     weight: float
     model: RewardModelModelConfig
     micro_batch_size_per_gpu: int
+    remote_rm_url: str | None
+    remote: RemoteRewardConfig
     overlong_buffer: OverlongBufferConfig
 
 
@@ -394,6 +406,15 @@ def check_reward_model_layout(config: "GRPOConfig") -> None:
 
 
 def validate_reward_model(reward_model: RewardModelConfig, max_response_length: int) -> None:
+    remote = reward_model.remote
+    if reward_model.remote_rm_url is not None:
+        if not reward_model.remote_rm_url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward_model.remote_rm_url must be an http(s) URL, got {reward_model.remote_rm_url!r}")
+        for key in ("batch_size", "max_concurrency", "timeout_s"):
+            positive(f"reward_model.remote.{key}", getattr(remote, key))
+        if remote.retries < 0 or remote.backoff_s < 0 or not math.isfinite(remote.weight):
+            raise ConfigError("reward_model.remote: retries and backoff_s must be >= 0 and weight a finite number, got "
+                              f"{remote.retries}, {remote.backoff_s}, {remote.weight}")
     if reward_model.enable:
         if not reward_model.model.path:
             raise ConfigError("reward_model.enable=true needs reward_model.model.path: a sequence-classification model folder")

@@ -217,33 +217,43 @@ class OverlongBuffer:
 
 
 def no_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """The reward function of a run scored by its reward model alone."""
+    """The reward function of a run scored by its batch sources alone (a reward model, a remote server)."""
     return 0.0
 
 
 @dataclass(frozen=True)
+class BatchSource:
+    """A reward source that scores a whole rollout at once (a reward model, a remote server): `score(generations,
+    prompts, n)` gives one number per response (response i answers prompts[i // n])."""
+
+    name: str
+    weight: float
+    score: Callable[[Sequence[Generation], Sequence[Prompt], int], list[float]]
+
+
+@dataclass(frozen=True)
 class Scorer:
-    """A rollout's scores: the reward function on each response, plus the reward model's score times its weight
-    (where there is one: kept as `source/reward_model`), and `seq_reward`, what the step trains on, which adds DAPO's
-    overlong penalty to `score` where `overlong` is set."""
+    """A rollout's scores: the reward function on each response, plus each batch source's score times its weight
+    (kept as `source/NAME`), and `seq_reward`, what the step trains on, which adds DAPO's overlong penalty to
+    `score` where `overlong` is set."""
 
     reward_fn: RewardFn
     tokenizer: PreTrainedTokenizerBase
     n: int  # responses per prompt
     overlong: OverlongBuffer | None
-    reward_model: Callable[[Sequence[Generation], Sequence[Prompt], int], list[float]] | None = None
-    reward_model_weight: float = 1.0
+    batch_sources: Sequence[BatchSource] = ()
 
     def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], where: str) -> list[dict]:
         scores = score_responses(self.reward_fn, self.tokenizer, prompts, [g.response_ids for g in generations], self.n, f"{where}, this rank's ")
-        if self.reward_model is not None:
-            for i, (scored, value) in enumerate(zip(scores, self.reward_model(generations, prompts, self.n))):
+        for source in self.batch_sources:
+            for i, (scored, value) in enumerate(zip(scores, source.score(generations, prompts, self.n), strict=True)):
                 if not math.isfinite(value):
-                    raise RewardError(f"the reward model scored {value} for {where}, this rank's prompt {i // self.n}, response {i % self.n}")
-                scored[f"{SOURCE}reward_model"] = value
-                scored["score"] += self.reward_model_weight * value
-                if self.reward_fn is no_reward:
-                    scored["acc"] = float(scored["score"] > 0)
+                    raise RewardError(f"{source.name} scored {value} for {where}, this rank's prompt {i // self.n}, response {i % self.n}")
+                scored[f"{SOURCE}{source.name}"] = value
+                scored["score"] += source.weight * value
+        if self.reward_fn is no_reward:
+            for scored in scores:
+                scored["acc"] = float(scored["score"] > 0)
         for scored in scores:
             scored["seq_reward"] = scored["score"]
             if self.overlong is not None:

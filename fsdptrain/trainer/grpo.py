@@ -32,9 +32,10 @@ from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize
 from fsdptrain.rl.critic import Critic, ValueLossSettings
 from fsdptrain.rl.data import load_prompts
 from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, plot, source_metrics, step_metrics
+from fsdptrain.rl.remote_reward import RemoteReward
 from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
 from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
-from fsdptrain.rl.rewards import OverlongBuffer, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
+from fsdptrain.rl.rewards import BatchSource, OverlongBuffer, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
 from fsdptrain.rl.rollout import EngineSpec, build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.vllm import EngineSettings
@@ -102,7 +103,7 @@ class GRPOStep:
         with timer("reward"):
             scored = [s for g in groups for s in g.scored]
             scores = torch.tensor([s["seq_reward"] for s in scored])
-            if config.reward.sources or config.reward_model.enable:
+            if config.reward.sources or config.reward_model.enable or config.reward_model.remote_rm_url:
                 metrics.update(source_metrics(scored, parallel))
             rewards, shaping_metrics = self.shaping(scores, parallel)
             metrics.update(shaping_metrics)
@@ -152,7 +153,7 @@ def run_grpo(config: GRPOConfig) -> None:
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
     if config.reward.sources:
         reward_fn = weighted_sources(load_reward_sources(config.reward.sources))
-    elif config.reward_model.enable and not config.custom_reward_function.path:
+    elif (config.reward_model.enable or config.reward_model.remote_rm_url) and not config.custom_reward_function.path:
         reward_fn = no_reward
     else:
         reward_fn = load_reward_function(config.custom_reward_function.path, config.custom_reward_function.name)
@@ -174,9 +175,7 @@ def run_grpo(config: GRPOConfig) -> None:
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
                    run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None,
                    lora=model_config.lora("actor_rollout_ref.model"))
-    reward_model = build_reward_model(config, parallel, tokenizer) if config.reward_model.enable else None
-    scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config), reward_model,
-                    config.reward_model.weight)
+    scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config), batch_sources(config, parallel, tokenizer))
     step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, shaping, critic, tokenizer.pad_token_id)
     engine = step_once.engine
     step_once.sync_weights()  # the resumed weights, before the first rollout
@@ -270,6 +269,18 @@ def loss_settings(config: GRPOConfig) -> LossSettings:
                         actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.loss_scale_factor,
                         config.data.max_response_length)
+
+
+def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer) -> list[BatchSource]:
+    """The reward model and the remote reward server, where configured."""
+    settings, sources = config.reward_model, []
+    if settings.enable:
+        sources.append(BatchSource("reward_model", settings.weight, build_reward_model(config, parallel, tokenizer)))
+    if settings.remote_rm_url:
+        remote = settings.remote
+        sources.append(BatchSource("remote", remote.weight, RemoteReward(settings.remote_rm_url, tokenizer, remote.batch_size, remote.max_concurrency,
+                                                                          remote.timeout_s, remote.retries, remote.backoff_s)))
+    return sources
 
 
 def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer) -> RewardModel:
