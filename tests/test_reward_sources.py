@@ -81,6 +81,8 @@ def test_shaping_and_sources_that_cannot_work_are_named():
     assert "reward_model.enable=true needs reward_model.model.path" in config_problems("reward_model.enable=true")
     assert "sequence parallelism for it is not built yet" in config_problems("reward_model.enable=true", "reward_model.model.path=rm",
                                                                              "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+    assert "cannot score in the background here: dynamic sampling" in config_problems("reward_model.launch_reward_fn_async=true",
+                                                                                        "algorithm.filter_groups.enable=true")
     assert "list the function among the sources" in config_problems("custom_reward_function.path=r.py", "reward.sources=[{name: a, function: gsm8k}]")
 
 
@@ -143,3 +145,20 @@ def test_the_running_moments_survive_a_resume(tmp_path, shaped):
     straight = read_metrics(out)[2]
     for key in ("critic/reward_running_mean", "critic/reward_running_std", "critic/rewards/mean", "actor/pg_loss", "actor/grad_norm"):
         assert step3[key] == pytest.approx(straight[key], rel=1e-6, abs=1e-9), key
+
+
+@pytest.mark.slow
+def test_scoring_in_the_background_gives_the_same_run(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    """reward_model.launch_reward_fn_async: the reward function runs in a worker thread while the old and reference
+    log-probs are computed; every logged number is the in-line run's."""
+    runs = {}
+    for background in ("false", "true"):
+        out = str(tmp_path / background)
+        torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, reward_model__launch_reward_fn_async=background,
+                                                        actor_rollout_ref__actor__use_kl_loss="true", actor_rollout_ref__actor__ppo_mini_batch_size=2,
+                                                        trainer__test_freq=-1))
+        runs[background] = read_metrics(out)
+    keys = [k for k in runs["false"][0] if not k.startswith(("timing_s/", "perf/"))]
+    assert "timing_s/old_log_prob" in runs["true"][0] and "actor/kl_loss" in keys
+    for inline, background in zip(runs["false"], runs["true"]):
+        assert {k: background[k] for k in keys} == {k: inline[k] for k in keys}

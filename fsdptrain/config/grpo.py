@@ -378,6 +378,7 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: int
     remote_rm_url: str | None
     remote: RemoteRewardConfig
+    launch_reward_fn_async: bool
     overlong_buffer: OverlongBufferConfig
 
 
@@ -400,9 +401,16 @@ def check_one_reward_definition(config: "GRPOConfig") -> None:
 
 
 def check_reward_model_layout(config: "GRPOConfig") -> None:
-    if config.reward_model.enable and config.actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1:
+    sp = config.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    if config.reward_model.enable and sp > 1:
         raise ConfigError("reward_model.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1: the reward model "
                           "scores whole sequences on each rank; sequence parallelism for it is not built yet")
+    if config.reward_model.launch_reward_fn_async:
+        reason = ("the reward model's forward passes are collectives of the training processes" if config.reward_model.enable else
+                  "dynamic sampling filters groups on their scores before the step goes on" if config.algorithm.filter_groups.enable else
+                  "the ranks of a Ulysses group share their scored groups" if sp > 1 else None)
+        if reason:
+            raise ConfigError(f"reward_model.launch_reward_fn_async=true cannot score in the background here: {reason}")
 
 
 def validate_reward_model(reward_model: RewardModelConfig, max_response_length: int) -> None:

@@ -4,6 +4,7 @@ keeps drawing until enough groups teach something."""
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,11 @@ class GroupSampler:
     filter_metric: str | None = None
     max_gen_batches: int = 0
     cursor: PromptCursor = field(default_factory=PromptCursor)
+    # Score in a worker thread while the step goes on (reward_model.launch_reward_fn_async; no dynamic sampling,
+    # no Ulysses SP, no source with collectives): the groups come unscored, and `wait_for_scores` fills them in.
+    score_later: bool = False
+    worker: ThreadPoolExecutor | None = None
+    pending: Future | None = None
 
     def next_groups(self) -> tuple[list[Group], dict[str, float]]:
         """The step's groups and, with dynamic sampling, how many batches it drew (`train/num_gen_batches`)."""
@@ -122,9 +128,22 @@ class GroupSampler:
                                            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                                            do_sample=request.do_sample, calculate_log_probs=request.calculate_log_probs)
         self.engine.sleep()
+        if self.score_later:
+            self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="fsdptrain-scoring")
+            self.pending = self.worker.submit(self.score, generations, prompts, f"prompt batch {cursor.batches}")
+            return [Group(prompt, generations[i * n : (i + 1) * n], []) for i, prompt in enumerate(prompts)]
         scored = self.score(generations, prompts, f"prompt batch {cursor.batches}")
         groups = [Group(prompt, generations[i * n : (i + 1) * n], scored[i * n : (i + 1) * n]) for i, prompt in enumerate(prompts)]
         return gather_lists(groups, parallel.ulysses_group) if parallel.sp_size > 1 else groups
+
+    def wait_for_scores(self, groups: list[Group]) -> None:
+        """With score_later, the drawn groups' scores, once the worker thread has them (its error raised here)."""
+        if self.pending is None:
+            return
+        scored, self.pending = self.pending.result(), None
+        n = self.request.n
+        for i, group in enumerate(groups):
+            group.scored = scored[i * n : (i + 1) * n]
 
     def varied_groups(self) -> tuple[list[Group], int]:
         """DAPO's dynamic sampling: draw batches, keeping the groups whose filter score varies (the others teach

@@ -101,6 +101,7 @@ class GRPOStep:
             with timer("values"):
                 self.critic.values(samples)
         with timer("reward"):
+            self.sampler.wait_for_scores(groups)
             scored = [s for g in groups for s in g.scored]
             scores = torch.tensor([s["seq_reward"] for s in scored])
             if config.reward.sources or config.reward_model.enable or config.reward_model.remote_rm_url:
@@ -350,7 +351,8 @@ def build_step(config: GRPOConfig, run: Run, hf_config, train: list, scorer: Sco
     filter_groups = algorithm.filter_groups
     sampler = GroupSampler(train, config.data.train_batch_size, config.data.shuffle, trainer.seed, engine,
                            engine_index(parallel.rank, rollout.tensor_model_parallel_size), request, scorer, parallel,
-                           filter_groups.metric if filter_groups.enable else None, filter_groups.max_num_gen_batches, cursor)
+                           filter_groups.metric if filter_groups.enable else None, filter_groups.max_num_gen_batches, cursor,
+                           score_later=config.reward_model.launch_reward_fn_async)
     one_pass = (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size and kl_ctrl is None
                 and algorithm.rollout_correction.rollout_is is None)
     ref_batching = config.micro_batching(ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
