@@ -40,7 +40,10 @@ def model_scorer(path: str) -> Scorer:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    model.config.pad_token_id = tokenizer.pad_token_id  # where its pooling finds each text's last token
 
     @torch.no_grad()
     def score(queries: list[str], prompts: list[str], labels: list, sources: list[str]) -> list[float]:

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -227,3 +228,15 @@ def assert_same_run(out: str, reference: str, atol: float = 1e-5) -> None:
     last = read_metrics(reference)[-1]["step"]
     final = lambda root: hf_weights(os.path.join(root, f"global_step_{last}"))  # noqa: E731
     assert_same_weights(final(out), final(reference), atol=atol)
+
+
+def wait_until_serving(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        try:
+            httpx.post(url, json={"query": []}, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer in 60 s")

@@ -27,7 +27,7 @@ from fsdptrain.rl.remote_reward import RemoteReward, RemoteRewardError
 from fsdptrain.rl.rewards import load_reward_function
 from fsdptrain.rl.rollout.base import Generation
 
-from conftest import REPO, free_port, read_metrics, torchrun
+from conftest import REPO, free_port, read_metrics, torchrun, wait_until_serving
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 
 STALL_S, TIMEOUT_S = 3.0, 0.5
@@ -122,18 +122,6 @@ def reward_server(rl_data):  # noqa: F811
     yield url
     process.kill()
     process.wait(timeout=10)
-
-
-def wait_until_serving(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read().decode()[-2000:]
-        try:
-            httpx.post(url, json={"query": []}, timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise AssertionError(f"{url} did not answer in 60 s")
 
 
 def test_the_reward_server_answers_its_functions_scores_to_concurrent_clients(reward_server, rl_data):  # noqa: F811

@@ -3,12 +3,15 @@ transformers sequence-classification forward of the same tokens (packed and padd
 the reward model's own chat template where its tokenizer differs, and weighted beside the verifiers."""
 
 import json
+import subprocess
+import sys
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-from conftest import read_metrics, torchrun
+from conftest import REPO, free_port, read_metrics, torchrun, wait_until_serving
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -73,3 +76,22 @@ def test_another_tokenizer_is_fed_its_own_template_and_weighted_beside_the_verif
     assert [r["score"] for r in rows] == pytest.approx([r["source/acc"] + r["source/format"] + 0.5 * e for r, e in zip(rows, expected)], abs=1e-5)
     metrics = read_metrics(out)[0]
     assert metrics["critic/rewards/reward_model/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+
+
+def test_the_reward_server_serves_a_reward_model(tmp_path, tokenizer):
+    """`fsdptrain.reward_server --model`: texts of different lengths in one request score as each alone."""
+    reward_model = save_reward_model(tmp_path / "rm", tokenizer)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "fsdptrain.reward_server", "--model", reward_model, "--port", str(port)], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/get_reward"
+    try:
+        wait_until_serving(url, server)
+        texts = ["What is 2 plus 3? It is 5. #### 5", "Hi", "A longer answer, with several words in it, ends here"]
+        rewards = httpx.post(url, json={"query": texts}, timeout=30.0).json()["rewards"]
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model)
+    expected = independent_scores(reward_model, [rm_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
+    assert rewards == pytest.approx(expected, abs=1e-5)
