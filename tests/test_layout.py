@@ -60,13 +60,13 @@ def test_rl_components_do_not_read_the_config():
 
 def test_allowed_names_come_from_the_dispatch_tables():
     from fsdptrain.config import grpo
-    from fsdptrain.rl import core_algos, rollout, sampling
+    from fsdptrain.rl import core_algos, rewards, rollout, sampling
 
     assert grpo.POLICY_LOSSES == tuple(core_algos.POLICY_LOSS)
     assert grpo.LOSS_AGG_MODES == tuple(core_algos.LOSS_AGG)
     assert grpo.KL_ESTIMATORS == tuple(core_algos.KL_PENALTY)
     assert set(grpo.ADVANTAGE_ESTIMATORS) == set(core_algos.GROUP_ADVANTAGE) | set(core_algos.TOKEN_ADVANTAGE) | set(core_algos.CRITIC_ADVANTAGE)
-    assert grpo.ENGINES is rollout.ENGINES and grpo.FILTER_KEYS is sampling.FILTER_KEYS
+    assert grpo.ENGINES is rollout.ENGINES and grpo.FILTER_KEYS is sampling.FILTER_KEYS and grpo.VERIFIERS is rewards.VERIFIERS
 
 
 def test_long_functions_say_why():
