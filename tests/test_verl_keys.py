@@ -9,25 +9,29 @@ import re
 import shlex
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
 
 from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.config.sft import load_sft_config
 from fsdptrain.config.verl_keys import TABLE, translate
 from fsdptrain.errors import ConfigError
 
 from conftest import REPO, save_tiny_model, torchrun
 from test_grpo import rl_data  # noqa: F401  (a fixture)
 
-EXAMPLE = Path(__file__).parent / "verl_examples" / "run_qwen3-1.7b.sh"
+EXAMPLES = Path(__file__).parent / "verl_examples"
+EXAMPLE = EXAMPLES / "run_qwen3-1.7b.sh"
 
 
 def script_overrides(path: Path) -> list[str]:
     """The key=value arguments of a verl launch script, as bash passes them."""
     text = path.read_text().replace("\\\n", " ")
-    command = next(line for line in text.splitlines() if "verl.trainer.main_ppo" in line)
-    return [word for word in shlex.split(command) if "=" in word]
+    command = next(line for line in text.splitlines() if "verl.trainer.main_ppo" in line or "verl.trainer.fsdp_sft_trainer" in line)
+    return [word for word in shlex.split(command) if "=" in word and not word.startswith("-")]  # not torchrun's options
 
 
 def with_local(overrides: list[str], local: dict[str, object]) -> list[str]:
@@ -138,3 +142,38 @@ def test_verls_example_trains_two_steps(tmp_path, tokenizer, rl_data):  # noqa: 
         assert "actor/kl_loss" in line and "timing_s/ref" in line and "training/rollout_probs_diff_max" in line
     assert "val-core/arithmetic/acc/mean@1" in lines[1][1]
     assert os.path.isdir(os.path.join(out, "wandb"))
+
+
+GSM8K_SFT = ["run_qwen_05.sh", "run_qwen_05_peft.sh"]
+
+
+def gsm8k_extra_info(path: Path, rows: int) -> str:
+    """verl's GSM8K SFT layout: the question and answer in a dict column, extra_info."""
+    pq.write_table(pa.table({"extra_info": [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}",
+                                             "index": i, "split": "train"} for i in range(rows)]}), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", GSM8K_SFT)
+def test_verls_sft_examples_load_with_every_key_known(tmp_path, name):
+    local = {"data.train_files": tmp_path / "train.parquet", "data.val_files": tmp_path / "test.parquet", "model.partial_pretrain": "/models/x",
+             "trainer.default_local_dir": tmp_path / "run", "data.micro_batch_size_per_gpu": 2}
+    overrides, problems = translate(with_local(script_overrides(EXAMPLES / name), local), "sft", 2)
+    assert problems == []
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = load_sft_config(compose(config_name="sft_trainer", overrides=overrides))
+    assert (config.data.prompt_key, config.data.prompt_dict_keys, config.data.response_dict_keys) == ("extra_info", ["question"], ["answer"])
+    assert config.model.lora_rank == (32 if "peft" in name else 0)
+
+
+@pytest.mark.slow
+def test_verls_lora_sft_example_trains_two_steps(tmp_path, tokenizer):
+    """verl's GSM8K LoRA SFT example as written (questions and answers read from a dict column), on 2 CPU processes."""
+    model = save_tiny_model(tmp_path / "model", "llama", tokenizer)
+    local = {"data.train_files": gsm8k_extra_info(tmp_path / "train.parquet", 32), "data.val_files": gsm8k_extra_info(tmp_path / "test.parquet", 8),
+             "model.partial_pretrain": model, "trainer.default_local_dir": tmp_path / "run", "data.micro_batch_size_per_gpu": 2,
+             "data.train_batch_size": 8, "trainer.total_training_steps": 2, "data.max_length": 128, "trainer.device": "cpu"}
+    result = torchrun(2, "fsdptrain.sft_trainer", with_local(script_overrides(EXAMPLES / "run_qwen_05_peft.sh"), local))
+    lines = re.findall(r"^step (\d+) \| (.*)$", result.stdout, re.MULTILINE)
+    assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
+    assert os.path.isfile(tmp_path / "run" / "global_step_2" / "meta.json")

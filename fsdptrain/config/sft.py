@@ -39,6 +39,8 @@ class DataConfig:
     val_files: Any
     prompt_key: str
     response_key: str
+    prompt_dict_keys: list[str]
+    response_dict_keys: list[str]
     multiturn: MultiturnConfig
     max_length: int
     truncation: str

@@ -65,11 +65,22 @@ def read_data_columns(path: str, config: DataConfig) -> dict[str, list]:
     return _read_columns(path, [config.prompt_key, config.response_key])
 
 
+def nested(value, keys: Sequence[str], column: str):
+    """`value[k1][k2]...` for data.prompt_dict_keys / response_dict_keys (verl's path into a column of dicts)."""
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            raise RowError(f"{column}: no key {key!r} in {str(value)[:100]!r} (data.*_dict_keys={list(keys)})")
+        value = value[key]
+    return value
+
+
 def tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns: dict, row: int) -> list[tuple]:
     """(ids, mask) of each sample a row makes: one, or with multiturn.split_turns one per assistant turn."""
     kwargs = config.apply_chat_template_kwargs
     if not config.multiturn.enable:
-        return [tokenize_prompt_response(tokenizer, columns[config.prompt_key][row], columns[config.response_key][row], kwargs)]
+        prompt = nested(columns[config.prompt_key][row], config.prompt_dict_keys, f"data.prompt_key={config.prompt_key}")
+        response = nested(columns[config.response_key][row], config.response_dict_keys, f"data.response_key={config.response_key}")
+        return [tokenize_prompt_response(tokenizer, prompt, response, kwargs)]
     tools = columns[config.multiturn.tools_key][row] if config.multiturn.tools_key in columns else None
     messages = columns[config.multiturn.messages_key][row]
     if not config.multiturn.split_turns:
