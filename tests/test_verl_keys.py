@@ -102,9 +102,9 @@ def test_values_of_the_wrong_type_are_reported_with_the_other_mistakes():
 
 
 def test_keys_added_with_a_plus_are_checked_like_the_others():
-    overrides, problems = translate(["+trainer.total_training_steps=2", "++data.shuffle=false", "+data.prompt_dict_keys=[content]"], "sft", 1)
+    overrides, problems = translate(["+trainer.total_training_steps=2", "++data.shuffle=false", "+data.prompt_dict_keyz=[content]"], "sft", 1)
     assert overrides == ["trainer.total_training_steps=2", "data.shuffle=false"]
-    assert problems == ["data.prompt_dict_keys: not a key of fsdptrain's sft_trainer.yaml (did you mean data.prompt_key?)"]
+    assert problems == ["data.prompt_dict_keyz: not a key of fsdptrain's sft_trainer.yaml (did you mean data.prompt_dict_keys?)"]
 
 
 def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass():
