@@ -2,6 +2,7 @@
 transformers sequence-classification forward of the same tokens (packed and padded micro-batches), re-templated with
 the reward model's own chat template where its tokenizer differs, and weighted beside the verifiers."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -25,6 +26,7 @@ def save_reward_model(path, tokenizer, chat_template: str | None = None) -> str:
     torch.nn.init.normal_(model.score.weight, std=1.0)  # scores that differ from response to response
     model.save_pretrained(path)
     if chat_template is not None:
+        tokenizer = copy.deepcopy(tokenizer)  # the session's tokenizer keeps its own template for the other tests
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return str(path)
