@@ -13,7 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
+
+from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -139,15 +143,20 @@ def torchrun(nproc: int, module: str, args: list[str], check: bool = True, extra
     return result
 
 
-def wait_for(path: str, process: subprocess.Popen, timeout: float = 300) -> None:
+def wait_until(done, process: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    """Poll `done()` until it holds; fail naming `what` if the run ends first (with its output) or the time runs out."""
     deadline = time.time() + timeout
-    while not os.path.exists(path):
+    while not done():
         if process.poll() is not None:
             output = process.stderr.read().decode()[-4000:] if process.stderr else ""
-            raise AssertionError(f"run ended before {path} appeared:\n{output}")
+            raise AssertionError(f"run ended before {what}:\n{output}")
         if time.time() > deadline:
-            raise AssertionError(f"{path} did not appear")
+            raise AssertionError(f"no {what} after {timeout:g} s")
         time.sleep(0.002)
+
+
+def wait_for(path: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    wait_until(lambda: os.path.exists(path), process, path, timeout)
 
 
 def latest_checkpoint(out: str) -> int:
@@ -158,14 +167,16 @@ def latest_checkpoint(out: str) -> int:
 
 def wait_for_checkpoint(out: str, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
     """Until the tracker names `step` or later: the last write of a save, after its folder is renamed into place."""
-    deadline = time.time() + timeout
-    while latest_checkpoint(out) < step:
-        if process.poll() is not None:
-            output = process.stderr.read().decode()[-4000:] if process.stderr else ""
-            raise AssertionError(f"run ended before its step-{step} checkpoint:\n{output}")
-        if time.time() > deadline:
-            raise AssertionError(f"no step-{step} checkpoint in {out}")
-        time.sleep(0.002)
+    wait_until(lambda: latest_checkpoint(out) >= step, process, f"a step-{step} checkpoint in {out}", timeout)
+
+
+def grpo_config_problems(*overrides: str) -> str:
+    """The ConfigError that loading the GRPO config with `overrides` raises."""
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        with pytest.raises(ConfigError) as error:
+            load_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
+                                                                             *overrides]))
+    return str(error.value)
 
 
 def workers(parent: int) -> list:

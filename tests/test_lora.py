@@ -21,9 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.verl_keys import translate
-from fsdptrain.errors import ConfigError
 
-from conftest import REPO, assert_same_run, assert_same_weights, hf_weights, read_metrics, run_sft, save_tiny_model, torchrun
+from conftest import REPO, assert_same_run, assert_same_weights, grpo_config_problems, hf_weights, read_metrics, run_sft, save_tiny_model, torchrun
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 from test_verl_keys import script_overrides, with_local
 
@@ -159,20 +158,13 @@ def test_targets_that_cannot_work_are_named_before_training(tmp_path, tiny_llama
 
 
 def test_lora_settings_are_checked_with_the_other_keys():
-    def problems(*overrides: str) -> str:
-        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-            with pytest.raises(ConfigError) as error:
-                load_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
-                                                                                 *overrides]))
-        return str(error.value)
-
-    found = problems("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=0", "actor_rollout_ref.model.target_modules=[]",
+    found = grpo_config_problems("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=0", "actor_rollout_ref.model.target_modules=[]",
                      "actor_rollout_ref.model.lora_dropout=1.5")
     for expected in ("lora_alpha must be > 0", "target_modules must be all-linear, a module name or a list of them",
                      "lora_dropout must be in [0, 1)"):
         assert expected in found, expected
-    assert "lora_rank must be >= 0" in problems("actor_rollout_ref.model.lora_rank=-1")
-    assert "lora_adapter, which needs actor_rollout_ref.model.lora_rank > 0" in problems("trainer.checkpoint.save_contents=[model,lora_adapter]")
+    assert "lora_rank must be >= 0" in grpo_config_problems("actor_rollout_ref.model.lora_rank=-1")
+    assert "lora_adapter, which needs actor_rollout_ref.model.lora_rank > 0" in grpo_config_problems("trainer.checkpoint.save_contents=[model,lora_adapter]")
 
 
 def test_verls_lora_recipe_loads_as_written(tmp_path, capsys):

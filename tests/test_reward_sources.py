@@ -12,14 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
-from fsdptrain.config.grpo import load_grpo_config
-from fsdptrain.errors import ConfigError
 from fsdptrain.rl.reward_shaping import RunningMoments
 from fsdptrain.rl.rewards import VERIFIERS, RewardError, RewardSource, strict_format_score, weighted_sources
 
-from conftest import read_metrics, torchrun
+from conftest import grpo_config_problems, read_metrics, torchrun
 from test_grpo import REWARD, grpo_args, rl_data  # noqa: F401  (a fixture)
 
 
@@ -61,29 +58,21 @@ def test_running_moments_equal_welford_one_value_at_a_time():
     assert restored == running
 
 
-def config_problems(*overrides: str) -> str:
-    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-        with pytest.raises(ConfigError) as error:
-            load_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
-                                                                             *overrides]))
-    return str(error.value)
-
-
 def test_shaping_and_sources_that_cannot_work_are_named():
-    found = config_problems("algorithm.reward_norm=mean", "algorithm.reward_clip=0", "algorithm.advantage_clip=-1",
+    found = grpo_config_problems("algorithm.reward_norm=mean", "algorithm.reward_clip=0", "algorithm.advantage_clip=-1",
                             "reward.sources=[{name: a, function: gsm8k}, {name: a, function: nope}]")
     for expected in ("algorithm.reward_norm must be one of None|batch|group|running", "algorithm.reward_clip must be > 0",
                      "algorithm.advantage_clip must be > 0", "reward.sources[1].name='a': each source needs its own name"):
         assert expected in found, expected
-    assert "reward.sources[0].function must be one of rules|gsm8k" in config_problems("reward.sources=[{name: a, function: nope}]")
-    assert "rollout.n must be >= 2" in config_problems("algorithm.reward_norm=group", "actor_rollout_ref.rollout.n=1",
+    assert "reward.sources[0].function must be one of rules|gsm8k" in grpo_config_problems("reward.sources=[{name: a, function: nope}]")
+    assert "rollout.n must be >= 2" in grpo_config_problems("algorithm.reward_norm=group", "actor_rollout_ref.rollout.n=1",
                                                        "algorithm.adv_estimator=reinforce_plus_plus")
-    assert "reward_model.enable=true needs reward_model.model.path" in config_problems("reward_model.enable=true")
-    assert "sequence parallelism for it is not built yet" in config_problems("reward_model.enable=true", "reward_model.model.path=rm",
+    assert "reward_model.enable=true needs reward_model.model.path" in grpo_config_problems("reward_model.enable=true")
+    assert "sequence parallelism for it is not built yet" in grpo_config_problems("reward_model.enable=true", "reward_model.model.path=rm",
                                                                              "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
-    assert "cannot score in the background here: dynamic sampling" in config_problems("reward_model.launch_reward_fn_async=true",
+    assert "cannot score in the background here: dynamic sampling" in grpo_config_problems("reward_model.launch_reward_fn_async=true",
                                                                                         "algorithm.filter_groups.enable=true")
-    assert "list the function among the sources" in config_problems("custom_reward_function.path=r.py", "reward.sources=[{name: a, function: gsm8k}]")
+    assert "list the function among the sources" in grpo_config_problems("custom_reward_function.path=r.py", "reward.sources=[{name: a, function: gsm8k}]")
 
 
 # The scores reach the shaping as float32: the moments agree with numpy's float64 ones to float32's precision.

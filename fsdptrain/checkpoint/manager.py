@@ -99,11 +99,14 @@ def trained_state(model: nn.Module) -> dict[str, Any]:
     return {name: value for name, value in get_model_state_dict(model).items() if name not in frozen}
 
 
+ADAPTER_SHAPE = ("rank", "alpha", "target_modules", "exclude_modules")  # what saved adapters' shapes and names depend on
+
+
 def lora_matches(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> bool:
     """Whether adapters saved with `saved` load into a model built with `current` (the base folder may move)."""
     if saved is None or current is None:
         return saved is current
-    return all(saved[k] == current[k] for k in ("rank", "alpha", "target_modules", "exclude_modules"))
+    return all(saved[k] == current[k] for k in ADAPTER_SHAPE)
 
 
 class Stateful(Protocol):
@@ -237,11 +240,10 @@ class CheckpointManager:
             self._run_on_main(lambda: save_adapter(os.path.join(tmp, "lora_adapter"), adapters, self.lora, self.base_model))
 
     def _lora_meta(self) -> dict[str, Any] | None:
-        """What the saved adapters' shapes and names depend on."""
+        """The adapters' shape settings and the pretrained folder they were trained on."""
         if self.lora is None:
             return None
-        return {"rank": self.lora.rank, "alpha": self.lora.alpha, "target_modules": self.lora.target_modules,
-                "exclude_modules": self.lora.exclude_modules, "base_model": self.base_model}
+        return {**{key: getattr(self.lora, key) for key in ADAPTER_SHAPE}, "base_model": self.base_model}
 
     def _rotate(self) -> None:
         keep = self.config.max_ckpt_to_keep

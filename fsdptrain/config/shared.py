@@ -191,9 +191,8 @@ def validate_trainer(trainer: TrainerConfig) -> None:
 
 
 def check_adapter_export(checkpoint: CheckpointConfig, model: LanguageModelConfig, prefix: str) -> None:
-    for key, contents in (("save_contents", checkpoint.save_contents), ("load_contents", checkpoint.load_contents or [])):
-        if "lora_adapter" in contents and not model.lora_rank:
-            raise ConfigError(f"trainer.checkpoint.{key} holds lora_adapter, which needs {prefix}.lora_rank > 0 (no adapters are trained)")
+    if "lora_adapter" in checkpoint.save_contents and not model.lora_rank:
+        raise ConfigError(f"trainer.checkpoint.save_contents holds lora_adapter, which needs {prefix}.lora_rank > 0 (no adapters are trained)")
     if "lora_adapter" in (checkpoint.load_contents or []):
         raise ConfigError("trainer.checkpoint.load_contents: lora_adapter is an export; the adapters resume from `model`")
 

@@ -25,8 +25,11 @@ def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict
 
 
 def source_metrics(scored: Sequence[dict], parallel: Parallel) -> dict[str, float]:
-    """Each weighted reward source's mean score over the step (critic/rewards/NAME/mean)."""
+    """Each reward source's mean score over the step (critic/rewards/NAME/mean); none without sources (every rank
+    has the same keys, so every rank skips the reduction alike)."""
     names = sorted(key for key in scored[0] if key.startswith(SOURCE))
+    if not names:
+        return {}
     means = all_reduce_sum([float(sum(s[key] for s in scored)) for key in names] + [float(len(scored))], parallel.device, parallel.dp_group)
     return {f"critic/rewards/{key.removeprefix(SOURCE)}/mean": total / means[-1] for key, total in zip(names, means)}
 

@@ -104,8 +104,7 @@ class GRPOStep:
             self.sampler.wait_for_scores(groups)
             scored = [s for g in groups for s in g.scored]
             scores = torch.tensor([s["seq_reward"] for s in scored])
-            if config.reward.sources or config.reward_model.enable or config.reward_model.remote_rm_url:
-                metrics.update(source_metrics(scored, parallel))
+            metrics.update(source_metrics(scored, parallel))
             rewards, shaping_metrics = self.shaping(scores, parallel)
             metrics.update(shaping_metrics)
             token_rewards = outcome_rewards(rewards, generations)
@@ -340,7 +339,7 @@ def build_step(config: GRPOConfig, run: Run, hf_config, train: list, scorer: Sco
                          config.update_batching, log_prob_batching)
     reference = None
     if (actor.use_kl_loss or kl_ctrl is not None) and has_adapters(run.model):
-        reference = run.model
+        reference = run.model  # the policy with its adapters switched off: no second model
     elif actor.use_kl_loss or kl_ctrl is not None:
         ref_fsdp = type(actor.fsdp_config)(**{**vars(actor.fsdp_config), "cpu_offload": ref.fsdp_config.param_offload})
         reference = build_sharded_model(model.path, model, ref_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
