@@ -23,10 +23,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import gather_lists
+from fsdptrain.rl.agent.loop import AgentLoop
 from fsdptrain.rl.data import Prompt, load_prompts
 from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_responses
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.hf import HFRollout
+from fsdptrain.rl.sampling import RolloutRequest, generate
 
 
 def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -51,13 +53,14 @@ def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
 
 def evaluate(
     engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], reward_fn: RewardFn, n: int = 1, temperature: float = 0.0,
-    max_new_tokens: int = 256, batch_size: int = 16,
+    max_new_tokens: int = 256, batch_size: int = 16, agent: AgentLoop | None = None,
 ) -> list[dict]:
-    """One record per response of a rollout engine: prompt, response, its scores (`score`, `acc`, and any the
-    reward function adds)."""
-    responses = engine.generate([p.ids for p in prompts], n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, do_sample=temperature > 0,
-                                temperature=temperature or 1.0)
-    scored = score_responses(reward_fn, tokenizer, prompts, [r.response_ids for r in responses], n, "")
+    """One record per response of a rollout engine (a multi-turn `agent`'s trajectories on it): prompt,
+    response, its scores (`score`, `acc`, and any the reward function adds)."""
+    request = RolloutRequest(n, max_new_tokens, batch_size, temperature or 1.0, top_p=1.0, top_k=-1, do_sample=temperature > 0,
+                             calculate_log_probs=False)
+    responses = generate(engine, agent, prompts, request)
+    scored = score_responses(reward_fn, tokenizer, prompts, responses, n, "")
     records = []
     for index, (response, scores) in enumerate(zip(responses, scored)):
         prompt = prompts[index // n]
@@ -67,12 +70,12 @@ def evaluate(
 
 
 def validate_on_ranks(engine: RolloutEngine, prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer: PreTrainedTokenizerBase, n: int,
-                      temperature: float, max_new_tokens: int, batch_size: int, parallel: Parallel) -> dict[str, float]:
+                      temperature: float, max_new_tokens: int, batch_size: int, parallel: Parallel, agent: AgentLoop | None = None) -> dict[str, float]:
     """The GRPO trainer's validation: accuracy and mean reward per data_source (verl's `val-core/` metrics), each
     rank answering a share of the prompts."""
     mine = list(prompts[parallel.rank :: parallel.world_size])
     # Every rank calls the engine, with or without prompts: a tensor-parallel engine needs all of its ranks.
-    records = evaluate(engine, tokenizer, mine, reward_fn, n, temperature, max_new_tokens, batch_size)
+    records = evaluate(engine, tokenizer, mine, reward_fn, n, temperature, max_new_tokens, batch_size, agent)
     metrics = {}
     for source, figures in summarize(gather_lists(records)).items():
         metrics[f"val-core/{source}/acc/mean@{n}"] = figures["acc"]

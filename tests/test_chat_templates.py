@@ -45,11 +45,12 @@ TURNS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tokenizer_dir):
+def template_tokenizer(tokenizer_dir: str, name: str):
+    """SmolLM2's vocabulary with the chat template `name` and its family's control tokens, flagged as its tokenizer
+    flags them."""
     from transformers import AutoTokenizer
 
-    name, flags = request.param, FAMILIES[request.param]
+    flags = FAMILIES[name]
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, rstrip=flags.get("rstrip", False), normalized=False, special=True)
                                                           for t in flags["special"]]}, replace_extra_special_tokens=False)
@@ -57,7 +58,12 @@ def family(request, tokenizer_dir):
     tok.bos_token = flags.get("bos")
     tok.eos_token = flags["eos"]
     tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
-    return name, tok
+    return tok
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tokenizer_dir):
+    return request.param, template_tokenizer(tokenizer_dir, request.param)
 
 
 def reference_mask(name: str, tokenizer, text: str) -> tuple[list[int], list[int]]:

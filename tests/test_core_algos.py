@@ -54,6 +54,10 @@ def test_group_advantages_equal_verls_loops(estimator, norm):
 def test_reinforce_plus_plus_returns_and_whitening():
     rewards, mask = torch.tensor([0.0, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 0.0])
     torch.testing.assert_close(core_algos.discounted_returns(rewards, mask, 0.5), torch.tensor([0.25, 0.5, 1.0, 0.0]))
+    # A multi-turn trajectory: turn 1 (2 tokens), a tool's 2 tokens (mask 0), turn 2 (2 tokens, the reward on its
+    # last). The return runs across the tool's tokens, undiscounted there, and is 0 on them.
+    rewards, mask = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    torch.testing.assert_close(core_algos.discounted_returns(rewards, mask, 0.5), torch.tensor([0.125, 0.25, 0.0, 0.0, 0.5, 1.0]))
     values = torch.tensor([1.0, 2.0, 3.0, 4.0])
     whitened = core_algos.masked_whiten(values, torch.ones(4), total=10.0, total_squares=30.0, count=4.0)
     torch.testing.assert_close(whitened, (values - 2.5) / math.sqrt(5 / 3 + 1e-8))

@@ -31,6 +31,9 @@ from fsdptrain.config.shared import (
     validate_trainer,
 )
 from fsdptrain.errors import ConfigError
+from fsdptrain.rl.agent.loop import TRUNCATE_SIDES
+from fsdptrain.rl.agent.templates import SANITY_CHECK_MODES
+from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
 from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, CRITIC_ADVANTAGE, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from fsdptrain.rl.rewards import VERIFIERS
 from fsdptrain.rl.rollout import ENGINES
@@ -120,6 +123,40 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool
+    max_assistant_turns: int | None
+    max_user_turns: int | None
+    tool_config_path: str | None
+    interaction_config_path: str | None
+    max_parallel_calls: int
+    max_tool_response_length: int
+    tool_response_truncate_side: str
+    tool_timeout_s: float
+    format: str
+    tokenization_sanity_check_mode: str
+
+
+def validate_multi_turn(multi_turn: MultiTurnConfig, rollout: "RolloutConfig") -> None:
+    key = f"{ROLLOUT}.multi_turn"
+    if not multi_turn.enable:
+        return
+    if not (multi_turn.tool_config_path or multi_turn.interaction_config_path):
+        raise ConfigError(f"{key}.enable=true needs {key}.tool_config_path or {key}.interaction_config_path: with neither, a rollout has "
+                          "one turn (leave multi_turn.enable=false)")
+    for name in ("max_assistant_turns", "max_user_turns"):
+        positive(f"{key}.{name}", getattr(multi_turn, name), allow_none=True)
+    for name in ("max_parallel_calls", "max_tool_response_length", "tool_timeout_s"):
+        positive(f"{key}.{name}", getattr(multi_turn, name))
+    one_of(f"{key}.tool_response_truncate_side", multi_turn.tool_response_truncate_side, TRUNCATE_SIDES)
+    one_of(f"{key}.format", multi_turn.format, tuple(TOOL_CALL_FORMATS))
+    one_of(f"{key}.tokenization_sanity_check_mode", multi_turn.tokenization_sanity_check_mode, SANITY_CHECK_MODES)
+    if rollout.tensor_model_parallel_size > 1:
+        raise ConfigError(f"{key}.enable=true with {ROLLOUT}.tensor_model_parallel_size > 1 is not supported: the ranks of one engine "
+                          "would need the same number of turns")
+
+
+@dataclass
 class RolloutConfig:
     name: str
     n: int
@@ -139,6 +176,7 @@ class RolloutConfig:
     enforce_eager: bool
     free_cache_engine: bool
     load_format: str
+    multi_turn: MultiTurnConfig
 
 
 def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
@@ -161,6 +199,7 @@ def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
     if rollout.update_weights_bucket_megabytes < 0:
         raise ConfigError(f"{ROLLOUT}.update_weights_bucket_megabytes must be >= 0, got {rollout.update_weights_bucket_megabytes}")
     positive(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
+    validate_multi_turn(rollout.multi_turn, rollout)
 
 
 @dataclass

@@ -79,7 +79,7 @@ def render(
 
 
 @lru_cache(maxsize=16)
-def _end_of_turn_ids(tokenizer: PreTrainedTokenizerBase, template_kwargs_json: str) -> frozenset[int]:
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase, template_kwargs_json: str) -> frozenset[int]:
     """The special tokens a template writes right after an assistant message's content."""
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "fsdptrain probe"}]
     text = render(tokenizer, probe, None, False, json.loads(template_kwargs_json))
@@ -118,7 +118,7 @@ def tokenize_conversation(
     full_text = render(tokenizer, messages, tools, False, template_kwargs)
     encoding = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-    end_ids = _end_of_turn_ids(tokenizer, json.dumps(template_kwargs, sort_keys=True))
+    end_ids = end_of_turn_ids(tokenizer, json.dumps(template_kwargs, sort_keys=True))
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     mask = [0] * len(ids)
     token, previous_end = 0, 0

@@ -51,11 +51,13 @@ def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str,
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE++'s returns of one response (tokens,): sum of gamma^k r_{t+k}, reset after its end (mask 0)."""
+    """REINFORCE++'s returns of one response (tokens,): sum of gamma^k r_{t+k} over its generated tokens (mask 1).
+    Tokens off the mask (a tool's, an environment's) are skipped, not a reset: verl's reset there would cut a
+    multi-turn trajectory's final reward off from every turn before its last tool call."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros((), dtype=token_rewards.dtype)
     for t in reversed(range(len(token_rewards))):
-        running = token_rewards[t] + gamma * running * mask[t]
+        running = torch.where(mask[t] > 0, token_rewards[t] + gamma * running, running)
         returns[t] = running
     return returns * mask
 

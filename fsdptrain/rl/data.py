@@ -22,7 +22,7 @@ class Prompt:
     extra_info: dict = field(default_factory=dict)
 
 
-def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict) -> Prompt:
+def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict, tools: list[dict] | None) -> Prompt:
     messages = columns["prompt"][row]
     messages = normalize_messages(messages, require_assistant=False)
     if "reward_model" in columns:
@@ -35,16 +35,17 @@ def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, tem
     data_source = columns["data_source"][row] if "data_source" in columns else None
     if not isinstance(data_source, str) or not data_source:
         raise RowError(f"data_source must be a non-empty string, got {data_source!r}")
-    text = render(tokenizer, messages, None, True, template_kwargs)
+    text = render(tokenizer, messages, tools, True, template_kwargs)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     extra_info = columns["extra_info"][row] if "extra_info" in columns else None
     return Prompt(ids, messages, data_source, ground_truth, dict(extra_info or {}))
 
 
 def load_prompts(
-    files: Sequence[str], tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None = None
+    files: Sequence[str], tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None = None, tools: list[dict] | None = None
 ) -> list[Prompt]:
-    """Every row of `files` in order; a bad row raises naming the file, the row and the problem."""
+    """Every row of `files` in order, rendered with the tool schemas `tools` (a multi-turn rollout's) where given;
+    a bad row raises naming the file, the row and the problem."""
     prompts = []
     for path in files:
         try:
@@ -63,7 +64,7 @@ def load_prompts(
                    if c in names}
         for row in range(table.num_rows):
             try:
-                prompts.append(_row_prompt(columns, row, tokenizer, dict(template_kwargs or {})))
+                prompts.append(_row_prompt(columns, row, tokenizer, dict(template_kwargs or {}), tools))
             except RowError as e:
                 raise DataError(f"{path} row {row}: {e}") from None
     if not prompts:

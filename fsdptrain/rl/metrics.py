@@ -58,8 +58,9 @@ def critic_metrics(samples: Sequence[Sample], generations: Sequence[Generation],
 
 def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], scores: torch.Tensor, token_rewards: list[torch.Tensor],
                  response_advantages: list[float], n: int, parallel: Parallel) -> dict[str, float]:
-    """verl's per-step data metrics over every sample of the step, and its token count for the throughput."""
-    lengths = [len(g.response_ids) for g in generations]
+    """verl's per-step data metrics over every sample of the step, and its token count for the throughput. The
+    response lengths count the tokens the policy generated (not a multi-turn trajectory's tool or user tokens)."""
+    lengths = [g.generated_tokens for g in generations]
     metrics = {**global_stats("critic/score", scores.tolist(), parallel),
                "critic/rewards/mean": global_stats("critic/rewards", [float(r.sum()) for r in token_rewards], parallel)["critic/rewards/mean"],
                **global_stats("critic/advantages", response_advantages, parallel), **global_stats("response_length", lengths, parallel)}
@@ -67,11 +68,31 @@ def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], s
     metrics.update({k: v for k, v in prompt_stats.items() if not k.endswith("/min")})
     group_spread = scores.view(-1, n).std(dim=1) if n > 1 else torch.zeros(len(prompts))
     tokens, truncated, responses, zero_std, groups = all_reduce_sum(
-        [float(sum(lengths) + sum(len(g.prompt_ids) for g in generations)), float(sum(g.truncated for g in generations)),
+        [float(sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)), float(sum(g.truncated for g in generations)),
          float(len(lengths)), float((group_spread == 0).sum()), float(len(group_spread))], parallel.device, parallel.dp_group)
     metrics["response_length/clip_ratio"] = truncated / max(responses, 1.0)
     metrics["frac_reward_zero_std"] = zero_std / max(groups, 1.0)
     metrics["perf/tokens"] = tokens
+    return metrics
+
+
+def multi_turn_metrics(generations: Sequence[Generation], parallel: Parallel) -> dict[str, float]:
+    """Over every trajectory of the step: turns (verl's num_turns), tool calls and their failures per trajectory,
+    the environments' success rate (where an interaction reports `success`), and the share of trajectories whose
+    full re-render tokenizes otherwise (`multi_turn/drift_rate`, over the checked ones)."""
+    traces = [g.trace for g in generations]
+    metrics = global_stats("num_turns", [float(t.num_turns) for t in traces], parallel)
+    counts = ("tool_calls", "tool_errors", "tool_timeouts", "format_errors")
+    totals = all_reduce_sum([float(sum(getattr(t, name) for t in traces)) for name in counts]
+                            + [float(len(traces)), float(sum(t.success is not None for t in traces)), float(sum(bool(t.success) for t in traces)),
+                               float(sum(t.drift is not None for t in traces)), float(sum(bool(t.drift) for t in traces))],
+                            parallel.device, parallel.dp_group)
+    *sums, trajectories, with_success, successes, checked, drifted = totals
+    metrics.update({f"multi_turn/{name}_per_trajectory": total / max(trajectories, 1.0) for name, total in zip(counts, sums)})
+    if with_success:
+        metrics["multi_turn/success_rate"] = successes / with_success
+    if checked:
+        metrics["multi_turn/drift_rate"] = drifted / checked
     return metrics
 
 
@@ -85,9 +106,11 @@ def plot(history: list[dict], lengths: list[int], directory: str, logger: Metric
 def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: list[dict], generations: Sequence[Generation],
                   advantages: list[float], n: int, parallel: Parallel) -> None:
     """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage, and the token
-    ids that were trained on (rank 0 writes)."""
+    ids that were trained on (response_mask 1); a multi-turn trajectory's turns, each marked `trained` or not,
+    with its counts (rank 0 writes)."""
     rows = [{"prompt": prompts[i // n].messages, "ground_truth": prompts[i // n].ground_truth, "data_source": prompts[i // n].data_source,
-             **s, "advantage": a, "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask}
+             **s, "advantage": a, "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
+             **({} if g.trace is None else {"turns": g.trace.messages, "trace": {k: v for k, v in vars(g.trace).items() if k != "messages"}})}
             for i, (s, g, a) in enumerate(zip(scored, generations, advantages))]
     every_row = gather_lists(rows, parallel.dp_group)
     if parallel.is_main:

@@ -113,6 +113,7 @@ VERIFIERS: dict[str, RewardFn] = {
     "gsm8k_flexible": lambda data_source, solution, ground_truth, extra_info=None: gsm8k_score(solution, ground_truth, "flexible"),
     "math": lambda data_source, solution, ground_truth, extra_info=None: math_score(solution, ground_truth),
     "strict_format": lambda data_source, solution, ground_truth, extra_info=None: strict_format_score(solution),
+    "turn_scores": lambda data_source, solution, ground_truth, extra_info=None: float(sum((extra_info or {}).get("turn_scores", ()))),
 }
 
 
@@ -186,17 +187,20 @@ def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: An
     return scores
 
 
-def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]], n: int,
+def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], responses: Sequence[Generation], n: int,
                     where: str) -> list[dict]:
-    """Each response's scores (as `score_sample`) with its text (`response`) and length in tokens
-    (`response_length`); response i answers prompts[i // n]. `where` starts the name of a failing sample."""
+    """Each response's scores (as `score_sample`) with its text (`response`, a multi-turn trajectory's with its
+    tool and user turns, as verl decodes it) and the number of tokens the policy generated (`response_length`);
+    response i answers prompts[i // n], and a trajectory's AgentTrace.reward_info joins the row's `extra_info`.
+    `where` starts the name of a failing sample."""
     scored = []
-    for i, ids in enumerate(responses):
+    for i, response in enumerate(responses):
         prompt = prompts[i // n]
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+        text = tokenizer.decode(response.response_ids, skip_special_tokens=True)
         sample = f"{where}prompt {i // n} ({prompt.data_source}), response {i % n}"
-        scores = score_sample(fn, prompt.data_source, text, prompt.ground_truth, prompt.extra_info, sample)
-        scored.append({**scores, "response": text, "response_length": len(ids)})
+        extra_info = prompt.extra_info if response.trace is None else {**prompt.extra_info, **response.trace.reward_info()}
+        scores = score_sample(fn, prompt.data_source, text, prompt.ground_truth, extra_info, sample)
+        scored.append({**scores, "response": text, "response_length": response.generated_tokens})
     return scored
 
 
@@ -244,7 +248,7 @@ class Scorer:
     batch_sources: Sequence[BatchSource] = ()
 
     def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], where: str) -> list[dict]:
-        scores = score_responses(self.reward_fn, self.tokenizer, prompts, [g.response_ids for g in generations], self.n, f"{where}, this rank's ")
+        scores = score_responses(self.reward_fn, self.tokenizer, prompts, generations, self.n, f"{where}, this rank's ")
         for source in self.batch_sources:
             for i, (scored, value) in enumerate(zip(scores, source.score(generations, prompts, self.n), strict=True)):
                 if not math.isfinite(value):

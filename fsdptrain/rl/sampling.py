@@ -5,7 +5,8 @@ keeps drawing until enough groups teach something."""
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import Scorer
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine
+
+if TYPE_CHECKING:
+    from fsdptrain.rl.agent.loop import AgentLoop
 
 log = logging.getLogger("fsdptrain")
 
@@ -70,7 +74,8 @@ class PromptCursor:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """How each prompt is answered (actor_rollout_ref.rollout.*, data.max_response_length)."""
+    """How each prompt is answered (actor_rollout_ref.rollout.*, data.max_response_length): the keyword arguments
+    of RolloutEngine.generate and AgentLoop.generate."""
 
     n: int
     max_new_tokens: int
@@ -80,6 +85,13 @@ class RolloutRequest:
     top_k: int
     do_sample: bool
     calculate_log_probs: bool
+
+
+def generate(engine: RolloutEngine, agent: "AgentLoop | None", prompts: Sequence[Prompt], request: RolloutRequest) -> list[Generation]:
+    """`request.n` responses to each prompt: one turn from the engine, or trajectories of the multi-turn `agent`."""
+    if agent is not None:
+        return agent.generate(prompts, **asdict(request))
+    return engine.generate([p.ids for p in prompts], **asdict(request))
 
 
 @dataclass
@@ -103,6 +115,7 @@ class GroupSampler:
     # Score in a worker thread while the step goes on (reward_model.launch_reward_fn_async; no dynamic sampling,
     # no Ulysses SP, no source with collectives): the groups come unscored, and `wait_for_scores` fills them in.
     score_later: bool = False
+    agent: "AgentLoop | None" = None  # multi-turn rollouts on `engine` (actor_rollout_ref.rollout.multi_turn)
     worker: ThreadPoolExecutor | None = None
     pending: Future | None = None
 
@@ -124,9 +137,7 @@ class GroupSampler:
         cursor.batches += 1
         n = request.n
         self.engine.wake_up()
-        generations = self.engine.generate([p.ids for p in prompts], n=n, max_new_tokens=request.max_new_tokens, batch_size=request.batch_size,
-                                           temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-                                           do_sample=request.do_sample, calculate_log_probs=request.calculate_log_probs)
+        generations = generate(self.engine, self.agent, prompts, request)
         self.engine.sleep()
         if self.score_later:
             self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="fsdptrain-scoring")

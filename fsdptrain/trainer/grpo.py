@@ -29,13 +29,17 @@ from fsdptrain.models.lora import adapters_disabled, has_adapters
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, PolicyActor, UpdateSettings, compute_log_probs
 from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize_kl, put_token_values, token_advantages
+from fsdptrain.rl.agent.interactions import BaseInteraction, load_interactions
+from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings
+from fsdptrain.rl.agent.templates import TurnRenderer
+from fsdptrain.rl.agent.tools import BaseTool, load_tools
 from fsdptrain.rl.critic import Critic, ValueLossSettings
 from fsdptrain.rl.data import load_prompts
-from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, plot, source_metrics, step_metrics
+from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, multi_turn_metrics, plot, source_metrics, step_metrics
 from fsdptrain.rl.remote_reward import RemoteReward
 from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
 from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
-from fsdptrain.rl.rewards import BatchSource, OverlongBuffer, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
+from fsdptrain.rl.rewards import BatchSource, OverlongBuffer, RewardFn, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
 from fsdptrain.rl.rollout import EngineSpec, build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.vllm import EngineSettings
@@ -135,6 +139,8 @@ class GRPOStep:
         response_advantages = [float(a[g.mask > 0].mean()) for a, g in zip(advantages, generations)]
         prompts = [g.prompt for g in groups]
         metrics.update(step_metrics(prompts, generations, scores, token_rewards, response_advantages, config.actor_rollout_ref.rollout.n, parallel))
+        if self.sampler.agent is not None:
+            metrics.update(multi_turn_metrics(generations, parallel))
         return StepResult(groups, response_advantages, metrics)
 
     def sync_weights(self) -> None:
@@ -145,20 +151,19 @@ def run_grpo(config: GRPOConfig) -> None:
     parallel = start_run(config.trainer, config.actor_rollout_ref.actor.ulysses_sequence_parallel_size, config.actor_rollout_ref.nccl_timeout)
     claim_run_directory(config.trainer, parallel)
     check_rl_layout(config, parallel.dp_size, parallel.world_size)
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    tools = load_tools(multi_turn.tool_config_path) if multi_turn.enable and multi_turn.tool_config_path else {}
+    interactions = (load_interactions(multi_turn.interaction_config_path) if multi_turn.enable and multi_turn.interaction_config_path else {})
     model_config, trainer = config.actor_rollout_ref.model, config.trainer
     hf_config = load_model_config(model_config.path, "actor_rollout_ref.model.path", model_config, parallel.sp_size)
     tokenizer = load_tokenizer(model_config.path, "actor_rollout_ref.model.path", model_config)
     if config.sequence_length > getattr(hf_config, "max_position_embeddings", config.sequence_length):
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {config.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
-    if config.reward.sources:
-        reward_fn = weighted_sources(load_reward_sources(config.reward.sources))
-    elif (config.reward_model.enable or config.reward_model.remote_rm_url) and not config.custom_reward_function.path:
-        reward_fn = no_reward
-    else:
-        reward_fn = load_reward_function(config.custom_reward_function.path, config.custom_reward_function.name)
-    train, val = (load_rl_prompts(config, files, tokenizer, key) for files, key in ((config.data.train_files, "data.train_files"),
-                                                                                   (config.data.val_files, "data.val_files")))
+    reward_fn = build_reward_function(config)
+    schemas = [tool.tool_schema.model_dump() for tool in tools.values()] or None
+    train, val = (load_rl_prompts(config, files, tokenizer, key, schemas) for files, key in ((config.data.train_files, "data.train_files"),
+                                                                                            (config.data.val_files, "data.val_files")))
     total_steps = count_steps(trainer, len(train), config.data.train_batch_size, "prompts")
     kl_ctrl = build_kl_controller(config)
     algorithm = config.algorithm
@@ -178,12 +183,14 @@ def run_grpo(config: GRPOConfig) -> None:
     scorer = Scorer(reward_fn, tokenizer, config.actor_rollout_ref.rollout.n, overlong_buffer(config), batch_sources(config, parallel, tokenizer))
     step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, shaping, critic, tokenizer.pad_token_id)
     engine = step_once.engine
+    if multi_turn.enable:
+        step_once.sampler.agent = build_agent(config, engine, tokenizer, tools, interactions, schemas)
     step_once.sync_weights()  # the resumed weights, before the first rollout
     val_kwargs, rollout = config.actor_rollout_ref.rollout.val_kwargs, config.actor_rollout_ref.rollout
 
     def validate() -> dict[str, float]:
         return validate_on_ranks(engine, val, reward_fn, tokenizer, val_kwargs.n, val_kwargs.temperature if val_kwargs.do_sample else 0.0,
-                                 config.data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, parallel)
+                                 config.data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, parallel, step_once.sampler.agent)
 
     if val and trainer.val_before_train and run.step == 0:
         run.logger.log(validate(), 0)
@@ -218,18 +225,41 @@ def record_step(step: int, result: StepResult, timer: StepTimer, history: list[d
                       config.actor_rollout_ref.rollout.n, parallel)
     history.append({"step": step, **metrics})
     if run.due(step, trainer.plot_freq):
-        lengths = [len(generation.response_ids) for g in groups for generation in g.generations]
+        lengths = [generation.generated_tokens for g in groups for generation in g.generations]
         plot(history, lengths, os.path.join(trainer.default_local_dir, "plots"), run.logger, parallel, step)
     return metrics
 
 
-def load_rl_prompts(config: GRPOConfig, files: list[str], tokenizer, key: str) -> list:
-    """The prompts of `files` (data.train_files or data.val_files, named by `key`) fitted to data.max_prompt_length."""
+def build_reward_function(config: GRPOConfig) -> RewardFn:
+    """The per-response reward: reward.sources weighted, else the custom (or built-in) function; none where a reward
+    model or server scores alone."""
+    if config.reward.sources:
+        return weighted_sources(load_reward_sources(config.reward.sources))
+    if (config.reward_model.enable or config.reward_model.remote_rm_url) and not config.custom_reward_function.path:
+        return no_reward
+    return load_reward_function(config.custom_reward_function.path, config.custom_reward_function.name)
+
+
+def load_rl_prompts(config: GRPOConfig, files: list[str], tokenizer, key: str, tools: list[dict] | None) -> list:
+    """The prompts of `files` (data.train_files or data.val_files, named by `key`), rendered with the schemas of
+    multi-turn `tools`, fitted to data.max_prompt_length."""
     if not files:
         return []
     data = config.data
-    prompts = load_prompts(files, tokenizer, data.apply_chat_template_kwargs)
+    prompts = load_prompts(files, tokenizer, data.apply_chat_template_kwargs, tools)
     return fit_prompts(prompts, data.max_prompt_length, data.truncation, data.filter_overlong_prompts, key)
+
+
+def build_agent(config: GRPOConfig, engine: RolloutEngine, tokenizer, tools: dict[str, BaseTool], interactions: dict[str, BaseInteraction],
+                schemas: list[dict] | None) -> AgentLoop:
+    """The multi-turn loop on `engine` (actor_rollout_ref.rollout.multi_turn)."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    settings = MultiTurnSettings(multi_turn.max_assistant_turns, multi_turn.max_user_turns, multi_turn.max_parallel_calls,
+                                 multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side, multi_turn.format,
+                                 multi_turn.tokenization_sanity_check_mode, multi_turn.tool_timeout_s)
+    appended_roles = ["tool"] * bool(tools) + ["user"] * bool(interactions)
+    renderer = TurnRenderer(tokenizer, schemas, config.data.apply_chat_template_kwargs, appended_roles)
+    return AgentLoop(engine, tokenizer, settings, tools, interactions, renderer)
 
 
 def build_kl_controller(config: GRPOConfig) -> core_algos.KLController | None:

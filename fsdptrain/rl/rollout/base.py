@@ -1,16 +1,45 @@
 """The contract every rollout engine satisfies (hf.py, vllm.py), and what it returns.
 
-A multi-turn agent loop drives the same call turn by turn: each live trajectory's token ids so far (its prompt,
-earlier turns, tool or environment output) as one prompt with n=1, every trajectory of a batch in one call; it
-appends the turn's generated tokens with response mask 1 and the tokens it renders itself (tool results) with 0,
-so that a trajectory is one Generation whatever the number of turns.
+A multi-turn agent loop (rl/agent/loop.py) drives the same call turn by turn: each live trajectory's token ids so
+far (its prompt, earlier turns, tool or environment output) as one prompt with n=1, every trajectory of a batch in
+one call; it appends the turn's generated tokens with response mask 1 and the tokens it renders itself (tool
+results) with 0, so that a trajectory is one Generation whatever the number of turns, with its AgentTrace.
 """
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@dataclass
+class AgentTrace:
+    """What a multi-turn trajectory did: its messages after the prompt, for the dumps and the drift check, and the
+    counts and scores that reach the reward function (`reward_info`) and the metrics."""
+
+    messages: list[dict] = field(default_factory=list)  # role, content, and `trained`: whether its tokens have mask 1
+    assistant_turns: int = 0
+    user_turns: int = 0  # replies of an interaction (a simulated user, an environment)
+    tool_calls: int = 0
+    tool_errors: int = 0  # calls that raised or named no tool
+    tool_timeouts: int = 0
+    format_errors: int = 0  # malformed tool-call blocks
+    tool_rewards: list[float] = field(default_factory=list)  # each call's step reward, as the tool's execute gave it
+    tool_scores: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward when the trajectory ended
+    turn_scores: list[float] = field(default_factory=list)  # each interaction reply's score
+    success: bool | None = None  # an environment's `success` at its last step
+    drift: bool | None = None  # a full re-render tokenizes otherwise (None: not checked)
+
+    @property
+    def num_turns(self) -> int:
+        """verl's count: assistant turns, interaction replies, and the prompt."""
+        return self.assistant_turns + self.user_turns + 1
+
+    def reward_info(self) -> dict:
+        """What the reward function finds in its `extra_info` besides the row's own (verl's names)."""
+        return {"num_turns": self.num_turns, "tool_rewards": list(self.tool_rewards), "rollout_reward_scores": dict(self.tool_scores),
+                "turn_scores": list(self.turn_scores), "tool_calls": self.tool_calls}
 
 
 @dataclass
@@ -19,12 +48,18 @@ class Generation:
     response_ids: list[int]  # through the first end-of-turn token, or max_new_tokens of them
     response_mask: list[int]  # 1 on tokens the policy produced (a multi-turn rollout gives tool output 0)
     log_probs: list[float] | None  # with calculate_log_probs, the sampling log-probs: after temperature, top-k and top-p
-    truncated: bool  # stopped by max_new_tokens before an end token
+    truncated: bool  # stopped by max_new_tokens (a multi-turn trajectory: by its response budget) before an end token
+    trace: AgentTrace | None = None  # a multi-turn trajectory's
 
     @property
     def mask(self) -> torch.Tensor:
         """response_mask as float weights for per-token sums over the response."""
         return torch.tensor(self.response_mask, dtype=torch.float32)
+
+    @property
+    def generated_tokens(self) -> int:
+        """The tokens the policy produced (a multi-turn trajectory's tool and user tokens are not)."""
+        return sum(self.response_mask)
 
 
 @runtime_checkable

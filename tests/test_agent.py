@@ -1,0 +1,365 @@
+"""Multi-turn agentic rollouts (rl/agent/): tool-call parsing, the calculator, the template's rendering of what a
+trajectory appends on seven real templates, the drift check, sokoban's rules on hand-worked boards, and the loop on
+a real tiny model trained (here, with plain torch) to call the calculator: trained tokens exactly the generated
+ones, tool output byte-exact, caps, failures and timeouts, what reaches the reward function. The GRPO trainer's
+multi-turn runs are in test_agent_runs.py."""
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+import torch
+from test_chat_templates import FAMILIES, template_tokenizer
+
+from fsdptrain.data.chat import tokenize_conversation
+from fsdptrain.errors import ConfigError
+from fsdptrain.rl.agent.interactions import EnvironmentInteraction
+from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings, truncate_response
+from fsdptrain.rl.agent.sokoban import Sokoban, parse_action
+from fsdptrain.rl.agent.templates import TurnRenderer
+from fsdptrain.rl.agent.tool_calls import ToolCall, parse_hermes
+from fsdptrain.rl.agent.tools import BaseTool, CalculatorTool, evaluate_arithmetic, load_tools
+from fsdptrain.rl.data import Prompt
+from fsdptrain.rl.rewards import Scorer
+from fsdptrain.rl.rollout.hf import HFRollout
+
+from conftest import REPO, save_tiny_model
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+SCHEMAS = [CalculatorTool.SCHEMA]
+
+
+def tool_conversation(a: int, b: int, with_tool: bool) -> list[dict]:
+    user = {"role": "user", "content": f"What is {a} * {b}?"}
+    if not with_tool:
+        return [user, {"role": "assistant", "content": "#### 408"}]
+    return [user, {"role": "assistant", "content": CALL}, {"role": "tool", "content": "408"}, {"role": "assistant", "content": "#### 408"}]
+
+
+def train_tool_caller(path, tokenizer) -> str:
+    """A tiny Llama (64-wide heads, which vLLM's CPU attention needs) taught with plain torch to answer `What is a *
+    b?` with a calculator call in 7 of 10 conversations and `#### 408` at once in the others."""
+    directory = save_tiny_model(path, "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(0)
+    for _ in range(100):
+        batch = [tokenize_conversation(tokenizer, tool_conversation(rng.randint(2, 999), rng.randint(2, 999), rng.random() < 0.7))
+                 for _ in range(4)]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([ids + [2] * (width - len(ids)) for ids, _ in batch])
+        labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in batch])
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory, tokenizer) -> str:
+    return train_tool_caller(tmp_path_factory.mktemp("tool_caller"), tokenizer)
+
+
+# ---- parsing, the calculator, truncation -------------------------------------------------------------------------
+def test_hermes_tool_calls_are_parsed_and_malformed_ones_counted():
+    two = CALL + '\n<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>'
+    assert parse_hermes(two).calls == [ToolCall("calculator", {"expression": "12*34"}), ToolCall("search", {"q": "x"})]
+    assert parse_hermes("no call here").calls == [] and parse_hermes("no call here").malformed == 0
+    for text in ("<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "calculator"',
+                 '<tool_call>{"name": "c", "arguments": [1]}</tool_call>'):
+        parsed = parse_hermes(text)
+        assert parsed.calls == [] and parsed.malformed == 1, text
+
+
+def test_the_calculator_evaluates_arithmetic_and_nothing_else():
+    assert evaluate_arithmetic("12 * 34") == 408 and evaluate_arithmetic("(7 + 1) / 2") == 4 and evaluate_arithmetic("7 / 2") == 3.5
+    assert evaluate_arithmetic("-3 ** 2") == -9 and evaluate_arithmetic("17 % 5 + 2 // 3") == 2
+    run = lambda expression: asyncio.run(CalculatorTool().execute("id", {"expression": expression}))[0]  # noqa: E731
+    assert run("123*45") == "5535"
+    for bad, reason in (("__import__('os')", "unsupported syntax"), ("2 ** 1000", "exponent over 64"), ("1 / 0", "division by zero"),
+                        ("1 +", "not an expression"), ("x" * 201, "longer than 200")):
+        assert run(bad).startswith("Error: ") and reason in run(bad), bad
+
+
+def test_tool_responses_are_cut_on_the_configured_side():
+    text = "0123456789"
+    assert truncate_response(text, 10, "left") == text
+    assert truncate_response(text, 4, "left") == "0123...(truncated)"
+    assert truncate_response(text, 4, "right") == "(truncated)...6789"
+    assert truncate_response(text, 4, "middle") == "01...(truncated)...89"
+
+
+def test_the_tool_yaml_loads_verls_layout(tmp_path):
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class_name: fsdptrain.rl.agent.tools.CalculatorTool\n    config: {type: native}\n"
+                    "    tool_schema:\n      type: function\n      function:\n        name: calc\n        description: d\n"
+                    "        parameters: {type: object, properties: {expression: {type: string}}}\n")
+    (tool,) = load_tools(str(path)).values()
+    assert isinstance(tool, CalculatorTool) and tool.name == "calc" and tool.config == {"type": "native"}
+    assert tool.tool_schema.model_dump()["function"]["parameters"]["properties"] == {"expression": {"type": "string"}}
+    path.write_text("tools:\n  - class_name: no.such.Tool\n")
+    with pytest.raises(ConfigError, match=r"tools\[0\]: cannot import class_name 'no.such.Tool'"):
+        load_tools(str(path))
+
+
+# ---- what a trajectory appends is the template's own rendering -----------------------------------------------------
+@pytest.mark.parametrize("template", [None, *sorted(FAMILIES)])
+def test_appended_tokens_continue_the_conversation_as_the_template_renders_it(tokenizer, tokenizer_dir, template):
+    """Prompt ids (with the generation prompt), an assistant turn as generated (through its end-of-turn token),
+    then what the renderer appends for two tool results: the same as the template's rendering of the whole
+    conversation with the next generation prompt, on SmolLM2's own template and the real ones that render tool
+    messages after an assistant turn. Qwen3 renders the earlier turn otherwise once the results follow it (it drops
+    the empty reasoning block of a turn that is no longer the last): there the appended part alone matches."""
+    tok = tokenizer if template is None else template_tokenizer(tokenizer_dir, template)
+    user = [{"role": "user", "content": "What is 12 * 34?"}]
+    try:
+        renderer = TurnRenderer(tok, SCHEMAS, {}, ["tool"])
+    except ConfigError as e:
+        assert template in ("gemma", "mistral", "phi3"), e  # no tool role (Gemma), results dropped (Phi-3), or tied to a call id (Mistral)
+        return
+    prompt = tok(tok.apply_chat_template(user, tools=SCHEMAS, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    turn = tok("The answer needs a tool.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(renderer.end_text)]
+    results = [{"role": "tool", "content": "408"}, {"role": "tool", "content": "x = 1\n"}]
+    appended = renderer.append_ids(results)
+    conversation = user + [{"role": "assistant", "content": "The answer needs a tool."}] + results
+    full_text = tok.apply_chat_template(conversation, tools=SCHEMAS, tokenize=False, add_generation_prompt=True)
+    assert tok(full_text, add_special_tokens=False)["input_ids"][-len(appended):] == appended
+    if template != "qwen3":  # (the ids before differ where BPE merges across the generation prompt's end, as Llama's `\n\n`)
+        assert tok.decode(prompt + turn + appended) == full_text
+    assert "408" in tok.decode(appended) and "x = 1" in tok.decode(appended)
+
+
+def test_the_drift_check_catches_a_re_templated_trajectory(tokenizer):
+    """A trajectory built token-in, token-out agrees with the full re-render; one re-templated as the usual bug does
+    (the newline after `<|im_end|>` lost at the tool boundary) is caught in strict mode, and passes
+    ignore_strippable, which ignores whitespace-only tokens."""
+    renderer = TurnRenderer(tokenizer, SCHEMAS, {}, ["tool"])
+    conversation = tool_conversation(12, 34, with_tool=True)
+    ids = tokenizer(tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids += tokenizer(CALL, add_special_tokens=False)["input_ids"] + [end] + renderer.append_ids(conversation[2:3])
+    ids += tokenizer("#### 408", add_special_tokens=False)["input_ids"] + [end]
+    assert not renderer.drifts(conversation, ids, "strict")
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    position = next(i for i in range(len(ids) - 1) if ids[i] == end and ids[i + 1 : i + 1 + len(newline)] == newline and i > len(ids) // 2 - 30)
+    retemplated = ids[:position + 1] + ids[position + 1 + len(newline):]
+    assert renderer.drifts(conversation, retemplated, "strict")
+    assert not renderer.drifts(conversation, retemplated, "ignore_strippable")
+
+
+# ---- sokoban -----------------------------------------------------------------------------------------------------
+def test_sokoban_follows_rolls_rules_on_hand_worked_boards():
+    board = "######\n#PX_O#\n#____#\n######"
+    env = Sokoban.from_text(board)
+    assert env.render() == board
+    observation, reward, terminated, truncated, info = env.step("<answer>Right</answer>")  # pushes the box one cell, not yet on target
+    assert observation == "######\n#_PXO#\n#____#\n######" and reward == pytest.approx(-0.1) and not terminated and info["action_is_valid"]
+    observation, reward, terminated, truncated, info = env.step("I push it. <answer>right</answer>")  # onto the target: solved
+    assert observation == "######\n#__P√#\n#____#\n######" and reward == pytest.approx(-0.1 + 1 + 10) and terminated and info["success"]
+    env = Sokoban.from_text("######\n#P√__#\n#____#\n######")  # pushing a box off its target costs 1
+    assert env.step("<answer>Right</answer>")[1] == pytest.approx(-0.1 - 1)
+    env = Sokoban.from_text("#####\n#PX##\n#___#\n#####")  # a box against a wall does not move, nor does the player
+    assert env.step("<answer>Right</answer>")[0] == "#####\n#PX##\n#___#\n#####"
+    env = Sokoban.from_text("######\n#PX_O#\n#____#\n######", format_penalty=-0.5, max_steps=2)
+    assert env.step("up, I think")[1:] == (-0.5, False, False, {"action_is_valid": False, "success": False})  # no answer: the penalty
+    assert env.step("<answer>Jump</answer>")[1:4] == (-0.5, False, True)  # not a move; and the step limit truncates
+    assert parse_action("<answer>Up</answer> then <answer> Left </answer>") == (0, -1)
+
+
+def test_generated_rooms_are_reproducible_and_solvable_by_the_rules():
+    for seed in range(20):
+        env = Sokoban(size=6, boxes=1)
+        first = env.reset(seed=seed)[0]
+        assert first == Sokoban(size=6, boxes=1).reset(seed=seed)[0] and first.count("X") == 1 and first.count("P") + first.count("S") == 1
+        assert solvable(env), first
+
+
+def solvable(env: Sokoban) -> bool:
+    """Breadth-first search over (player, boxes) with the environment's own moves."""
+    start = (env.player, frozenset(env.boxes))
+    seen, frontier = {start}, [start]
+    while frontier:
+        following = []
+        for player, boxes in frontier:
+            for move in ("Up", "Down", "Left", "Right"):
+                env.player, env.boxes = player, set(boxes)
+                if env.step(f"<answer>{move}</answer>")[2]:
+                    return True
+                state = (env.player, frozenset(env.boxes))
+                if state not in seen:
+                    seen.add(state)
+                    following.append(state)
+        frontier = following
+    return False
+
+
+# ---- the loop on a real model ------------------------------------------------------------------------------------
+SETTINGS = MultiTurnSettings(max_assistant_turns=None, max_user_turns=None, max_parallel_calls=1, max_tool_response_length=256,
+                             tool_response_truncate_side="middle", format="hermes", tokenization_sanity_check_mode="strict", tool_timeout_s=5.0)
+
+
+def agent_loop(model: str, tokenizer, tools: dict | None = None, interactions: dict | None = None, **settings) -> AgentLoop:
+    engine = HFRollout(model, torch.device("cpu"), torch.float32, pad_id=2)
+    tools = {"calculator": CalculatorTool()} if tools is None else tools
+    roles = ["tool"] * bool(tools) + ["user"] * bool(interactions)
+    renderer = TurnRenderer(tokenizer, [t.tool_schema.model_dump() for t in tools.values()] or None, {}, roles)
+    return AgentLoop(engine, tokenizer, MultiTurnSettings(**{**vars(SETTINGS), **settings}), tools, interactions or {}, renderer)
+
+
+def prompts_for(tokenizer, count: int, extra_info: dict | None = None) -> list[Prompt]:
+    prompts = []
+    for i in range(count):
+        messages = [{"role": "user", "content": f"What is {i + 3} * {2 * i + 5}?"}]
+        ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        prompts.append(Prompt(ids, messages, "arithmetic", "408", dict(extra_info or {})))
+    return prompts
+
+
+def segments(generation) -> list[tuple[int, list[int]]]:
+    """The response as runs of equal mask: (mask, ids)."""
+    runs = []
+    for token, mask in zip(generation.response_ids, generation.response_mask):
+        if runs and runs[-1][0] == mask:
+            runs[-1][1].append(token)
+        else:
+            runs.append((mask, [token]))
+    return runs
+
+
+def test_trajectories_train_exactly_the_generated_tokens_and_read_tool_output_byte_exact(tool_model, tokenizer):
+    """Sampled trajectories: each generated run is exactly what the engine sampled for that turn (replayed greedily
+    is not possible, so it is checked as the engine's own output for the same context, with its log-probs), each
+    mask-0 run is exactly the template's rendering of the calculator's result, and a full re-render agrees."""
+    loop = agent_loop(tool_model, tokenizer)
+    torch.manual_seed(0)
+    generations = loop.generate(prompts_for(tokenizer, 4), n=4, max_new_tokens=96, batch_size=16, calculate_log_probs=True)
+    calls = [g.trace.tool_calls for g in generations]
+    assert 0 < sum(calls) < len(generations), calls  # both structures sampled
+    tool_block = tokenizer("\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    for g in generations:
+        runs = segments(g)
+        assert [mask for mask, _ in runs] == ([1, 0, 1] if g.trace.tool_calls else [1]), runs
+        if g.trace.tool_calls:
+            assert runs[1][1] == tool_block and g.trace.messages[1] == {"role": "tool", "content": "408", "trained": False}
+        assert g.trace.num_turns == 1 + g.trace.assistant_turns and not g.truncated
+        # Drift where, and only where, a sampled turn is not the tokenization of its own text (the template joins
+        # turns at special tokens, so nothing else can re-tokenize differently).
+        canonical = all(tokenizer(text, add_special_tokens=False)["input_ids"] + [2] == ids
+                        for text, (mask, ids) in zip([m["content"] for m in g.trace.messages if m["trained"]], [r for r in runs if r[0]]))
+        assert g.trace.drift is (not canonical)
+        assert len(g.log_probs) == len(g.response_ids) and all(lp == 0.0 for lp, m in zip(g.log_probs, g.response_mask) if not m)
+        assert runs[-1][1][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # The generated tokens' log-probs are the policy's own for the context the engine saw (the trajectory so far).
+    model = loop.engine.model
+    g = next(g for g in generations if g.trace.tool_calls)
+    ids = torch.tensor([g.prompt_ids + g.response_ids])
+    log_probs = torch.log_softmax(model(ids).logits[0, len(g.prompt_ids) - 1 : -1].float(), -1).gather(1, ids[0, len(g.prompt_ids):, None])[:, 0]
+    mask = torch.tensor(g.response_mask, dtype=torch.bool)
+    torch.testing.assert_close(torch.tensor(g.log_probs)[mask], log_probs[mask], atol=1e-4, rtol=0)
+
+
+def test_turn_caps_and_the_response_budget_hold(tool_model, tokenizer):
+    prompts = prompts_for(tokenizer, 2)
+    torch.manual_seed(0)
+    one_turn = agent_loop(tool_model, tokenizer, max_assistant_turns=1).generate(prompts, n=4, max_new_tokens=96, batch_size=8)
+    assert all(g.trace.assistant_turns == 1 and all(g.response_mask) for g in one_turn)
+    assert any(g.trace.tool_calls == 0 and "<tool_call>" in g.trace.messages[0]["content"] for g in one_turn)  # the call was not run
+    torch.manual_seed(0)
+    for budget in (10, 30, 40):
+        for g in agent_loop(tool_model, tokenizer).generate(prompts, n=4, max_new_tokens=budget, batch_size=8):
+            assert len(g.response_ids) <= budget and (g.truncated or g.response_ids[-1] == 2)
+
+
+class FailingTool(BaseTool):
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema or CalculatorTool().tool_schema)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        raise RuntimeError("the backend is down")
+
+
+class HangingTool(FailingTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(3600)
+
+
+class RewardingTool(FailingTool):
+    """A stateful tool: create takes the row's create_kwargs, each call earns a step reward, calc_reward reads the
+    state, and release is recorded."""
+
+    released: list[str] = []
+
+    async def create(self, instance_id=None, offset=0.0, **kwargs):
+        self.state = {"offset": offset, "calls": 0}
+        return "instance-1", None  # newer verl tools return (id, ToolResponse)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        self.state["calls"] += 1
+        return {"text": "408"}, 0.25, {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        return self.state["offset"] + self.state["calls"]
+
+    async def release(self, instance_id, **kwargs):
+        RewardingTool.released.append(instance_id)
+
+
+def test_failing_and_hanging_tools_answer_the_model_and_are_counted(tool_model, tokenizer):
+    prompts = prompts_for(tokenizer, 2)
+    torch.manual_seed(0)
+    failing = agent_loop(tool_model, tokenizer, {"calculator": FailingTool({}, None)}).generate(prompts, n=4, max_new_tokens=96, batch_size=8)
+    called = [g for g in failing if g.trace.tool_calls]
+    assert called and all(g.trace.tool_errors == g.trace.tool_calls for g in called)
+    assert called[0].trace.messages[1]["content"] == "Error: RuntimeError: the backend is down"
+    start = time.monotonic()
+    torch.manual_seed(0)
+    hanging = agent_loop(tool_model, tokenizer, {"calculator": HangingTool({}, None)}, tool_timeout_s=0.5).generate(prompts, n=4, max_new_tokens=96,
+                                                                                                                    batch_size=8)
+    assert time.monotonic() - start < 30  # each turn's calls run together, each cut at 0.5 s
+    called = [g for g in hanging if g.trace.tool_calls]
+    assert called and all(g.trace.tool_timeouts == g.trace.tool_calls for g in called)
+    assert called[0].trace.messages[1]["content"] == "Error: the tool calculator did not answer within 0.5 s"
+
+
+def test_tool_rewards_and_scores_reach_the_reward_function(tool_model, tokenizer):
+    extra = {"tools_kwargs": {"calculator": {"create_kwargs": {"offset": 10.0}}}}
+    loop = agent_loop(tool_model, tokenizer, {"calculator": RewardingTool({}, None)})
+    torch.manual_seed(0)
+    prompts = prompts_for(tokenizer, 1, extra)
+    generations = loop.generate(prompts, n=8, max_new_tokens=96, batch_size=8)
+    seen = []
+
+    def reward(data_source, solution, ground_truth, extra_info):
+        seen.append(extra_info)
+        return float(sum(extra_info["tool_rewards"]) + extra_info["rollout_reward_scores"].get("calculator", 0.0))
+
+    scores = Scorer(reward, tokenizer, n=8, overlong=None)(generations, prompts, "step 1")
+    for g, scored, info in zip(generations, scores, seen):
+        assert info["num_turns"] == g.trace.num_turns and info["tools_kwargs"] == extra["tools_kwargs"]
+        assert scored["score"] == (0.25 + 11.0 if g.trace.tool_calls else 0.0)
+        assert scored["response_length"] == sum(g.response_mask) < len(g.response_ids) or not g.trace.tool_calls
+    assert RewardingTool.released == ["instance-1"] * sum(1 for g in generations if g.trace.tool_calls)
+
+
+def test_an_environment_answers_each_turn_until_its_cap(tool_model, tokenizer):
+    """Sokoban through the gym adapter: each assistant turn is an action (the tiny model writes none that parses:
+    the format penalty), each observation a user message with mask 0, the trajectories of a row share its seed,
+    and the turn scores reach the trajectory. As in verl, the model answers the last reply the cap allows, and
+    that turn is not answered."""
+    sokoban = EnvironmentInteraction({"name": "sokoban", "env": "fsdptrain.rl.agent.sokoban.Sokoban", "env_config": {"format_penalty": -0.2}})
+    loop = agent_loop(tool_model, tokenizer, tools={}, interactions={"sokoban": sokoban}, max_user_turns=2)
+    prompts = prompts_for(tokenizer, 1, {"interaction_kwargs": {"name": "sokoban", "seed": 7}})
+    torch.manual_seed(0)
+    board = Sokoban().reset(seed=7)[0]
+    for g in loop.generate(prompts, n=3, max_new_tokens=200, batch_size=3):
+        assert g.trace.assistant_turns == 3 and g.trace.user_turns == 2 and g.trace.turn_scores == [-0.2, -0.2]
+        assert [m["role"] for m in g.trace.messages] == ["assistant", "user", "assistant", "user", "assistant"]
+        assert [m["content"] for m in g.trace.messages if m["role"] == "user"] == [board, board] and g.trace.success is False
+        assert [mask for mask, _ in segments(g)] == [1, 0, 1, 0, 1]
+    assert sokoban.episodes == {}  # finalized
+    assert (REPO / "fsdptrain/rl/agent/sokoban.py").exists() and json.dumps(board)
