@@ -3,6 +3,7 @@ example script (tests/verl_examples/, unchanged) loads with no unknown key and r
 launcher, paths and sizes changed; every mistake of a command line is reported in one error; the launch's shape is
 checked against the world size; and the docs' table lists every key of verl_keys.yaml."""
 
+import asyncio
 import importlib.util
 import os
 import re
@@ -14,11 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
+from test_agent import tool_model  # noqa: F401  (a fixture)
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.sft import load_sft_config
 from fsdptrain.config.verl_keys import TABLE, translate
 from fsdptrain.errors import ConfigError
+from fsdptrain.rl.agent.tools import load_tools
 
 from conftest import REPO, save_tiny_model, torchrun
 from test_grpo import rl_data  # noqa: F401  (a fixture)
@@ -177,3 +180,64 @@ def test_verls_lora_sft_example_trains_two_steps(tmp_path, tokenizer):
     lines = re.findall(r"^step (\d+) \| (.*)$", result.stdout, re.MULTILINE)
     assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
     assert os.path.isfile(tmp_path / "run" / "global_step_2" / "meta.json")
+
+
+MULTI_TURN = EXAMPLES / "run_qwen2.5-3b_gsm8k_multiturn.sh"
+# The two keys the script takes from its --config-name file (examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml,
+# whose defaults are verl's own YAML), given on the command line with the launcher.
+MULTI_TURN_CONFIG = {"actor_rollout_ref.rollout.multi_turn.enable": True, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 5}
+
+
+def multi_turn_local(model: str, data: Path, out: str) -> dict[str, object]:
+    return {**sizes_and_paths(model, data, out), **MULTI_TURN_CONFIG, "data.max_prompt_length": 64, "data.max_response_length": 64,
+            "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.2, "trainer.total_training_steps": 1,
+            "trainer.test_freq": 1, "actor_rollout_ref.rollout.multi_turn.tool_config_path": EXAMPLES / "gsm8k_tool_config.yaml"}
+
+
+def test_verls_multi_turn_example_loads_with_its_tool(tmp_path, capsys):
+    overrides, problems = translate(with_local(script_overrides(MULTI_TURN), multi_turn_local("/models/x", tmp_path, str(tmp_path))), "grpo", 2)
+    assert problems == []
+    notes = capsys.readouterr().err
+    assert "actor_rollout_ref.rollout.name=sglang_async is actor_rollout_ref.rollout.name=vllm here" in notes and "data.return_raw_chat" in notes
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = load_grpo_config(compose(config_name="grpo_trainer", overrides=overrides))
+    rollout = config.actor_rollout_ref.rollout
+    assert (rollout.name, rollout.tensor_model_parallel_size, rollout.multi_turn.enable, rollout.multi_turn.max_assistant_turns) == ("vllm", 2, True, 5)
+    (tool,) = load_tools(rollout.multi_turn.tool_config_path).values()
+    assert type(tool).__name__ == "Gsm8kTool" and tool.name == "calc_gsm8k_reward"
+
+
+def test_the_ported_gsm8k_tool_behaves_as_verls():
+    (tool,) = load_tools(str(EXAMPLES / "gsm8k_tool_config.yaml")).values()
+
+    async def episode() -> list:
+        instance = await tool.create(ground_truth="408")
+        replies = [await tool.execute(instance, {"answer": answer}) for answer in ("12", "408", "408")]
+        return [*replies, await tool.calc_reward(instance)]
+
+    wrong, right, again, reward = asyncio.run(episode())
+    assert [r[1] for r in (wrong, right, again)] == [-0.05, 0.0, -0.05]  # no gain costs 0.05
+    assert right[0] == "Current parsed answer='408' reward=1.0" and reward == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM (for SGLang), which is not installed")
+def test_verls_multi_turn_example_trains_a_step(tmp_path, tool_model):  # noqa: F811
+    """The multi-turn example as written (its SGLang engine as vLLM's, split over both ranks, tensor_model_parallel_size=2;
+    the KL loss; the tool YAML) on 2 CPU processes with a tiny model that calls a tool the YAML does not have: each
+    call answered with the error, counted; validation through the same loop."""
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    for split in ("train", "val"):
+        rows = [{"prompt": [{"role": "user", "content": f"What is {i + 3} * {2 * i + 5}?"}], "data_source": "openai/gsm8k",
+                 "reward_model": {"ground_truth": "408", "style": "rule"},
+                 "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "408"}}}}} for i in range(8)]
+        pq.write_table(pa.Table.from_pylist(rows), data / f"rl_{split}.parquet")
+    out = str(tmp_path / "run")
+    result = torchrun(2, "fsdptrain.grpo_trainer", with_local(script_overrides(MULTI_TURN), multi_turn_local(tool_model, data, out)))
+    assert "tensor_parallel_size=2" in result.stdout + result.stderr
+    (line,) = re.findall(r"^step 1 \| (?!plots:)(.*)$", result.stdout, re.MULTILINE)
+    metrics = dict(item.rsplit(" ", 1) for item in line.split(" | "))
+    assert float(metrics["multi_turn/tool_calls_per_trajectory"]) > 0
+    assert metrics["multi_turn/tool_errors_per_trajectory"] == metrics["multi_turn/tool_calls_per_trajectory"]
+    assert "val-core/openai/gsm8k/acc/mean@1" in metrics

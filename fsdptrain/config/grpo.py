@@ -137,7 +137,7 @@ class MultiTurnConfig:
     tokenization_sanity_check_mode: str
 
 
-def validate_multi_turn(multi_turn: MultiTurnConfig, rollout: "RolloutConfig") -> None:
+def validate_multi_turn(multi_turn: MultiTurnConfig) -> None:
     key = f"{ROLLOUT}.multi_turn"
     if not multi_turn.enable:
         return
@@ -151,9 +151,6 @@ def validate_multi_turn(multi_turn: MultiTurnConfig, rollout: "RolloutConfig") -
     one_of(f"{key}.tool_response_truncate_side", multi_turn.tool_response_truncate_side, TRUNCATE_SIDES)
     one_of(f"{key}.format", multi_turn.format, tuple(TOOL_CALL_FORMATS))
     one_of(f"{key}.tokenization_sanity_check_mode", multi_turn.tokenization_sanity_check_mode, SANITY_CHECK_MODES)
-    if rollout.tensor_model_parallel_size > 1:
-        raise ConfigError(f"{key}.enable=true with {ROLLOUT}.tensor_model_parallel_size > 1 is not supported: the ranks of one engine "
-                          "would need the same number of turns")
 
 
 @dataclass
@@ -199,7 +196,7 @@ def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
     if rollout.update_weights_bucket_megabytes < 0:
         raise ConfigError(f"{ROLLOUT}.update_weights_bucket_megabytes must be >= 0, got {rollout.update_weights_bucket_megabytes}")
     positive(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
-    validate_multi_turn(rollout.multi_turn, rollout)
+    validate_multi_turn(rollout.multi_turn)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """verl's command lines, read as verl reads them: before Hydra sees the overrides, every `key=value` is checked
 against fsdptrain's YAML and verl_keys.yaml. A key fsdptrain knows passes; a key verl names otherwise is renamed;
 one that changes nothing here is taken and logged once with its reason; one for a feature not built is refused
-with what to use instead; and every key that is none of these is reported, all in one error, each with the
+with what to use instead; a value verl names otherwise (an engine's name) is renamed, logged; and every key that is none of these is reported, all in one error, each with the
 closest known key.
 """
 
@@ -78,10 +78,15 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
         if not sep or key.startswith(("~", "hydra.", "-")):
             kept.append(override)
             continue
+        entry = entry_of(key, table)
+        if entry is not None and hydra_value(value) in (entry.get("values") or {}):
+            renamed = entry["values"][hydra_value(value)]
+            note(f"{key}={value} is {key}={renamed} here: {' '.join(str(entry['reason']).split())}")
+            kept.append(f"{key}={renamed}")
+            continue
         if key in leaves or any(leaf.startswith(key + ".") for leaf in leaves) or any(key.startswith(m + ".") for m in open_mappings):
             kept.append(f"{key}={value}")
             continue
-        entry = entry_of(key, table)
         if entry is None:
             close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
             problems.append(f"{key}: not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.rl.agent.interactions import BaseInteraction
 from fsdptrain.rl.agent.templates import TurnRenderer
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS, ParsedTurn, ToolCall
@@ -98,11 +99,11 @@ class AgentLoop:
         trajectories = [Trajectory(prompt, max_new_tokens, log_probs=[] if calculate_log_probs else None) for prompt in prompts for _ in range(n)]
         try:
             self.run(self.start_interactions(trajectories))
-            while live := [t for t in trajectories if not t.done]:
-                turns = self.engine.generate([t.prompt.ids + t.ids for t in live], n=1, max_new_tokens=max(t.budget for t in live),
+            while budget := self.turn_budget(live := [t for t in trajectories if not t.done]):
+                turns = self.engine.generate([t.prompt.ids + t.ids for t in live], n=1, max_new_tokens=budget,
                                              batch_size=batch_size, temperature=temperature, top_p=top_p, top_k=top_k, do_sample=do_sample,
                                              calculate_log_probs=calculate_log_probs)
-                calls = {id(t): self.take_turn(t, turn) for t, turn in zip(live, turns)}
+                calls = {id(t): self.take_turn(t, turn) for t, turn in zip(live, turns, strict=True)}
                 self.run(together(self.answer(t, calls[id(t)]) for t in live if not t.done))
         finally:
             self.run(together(self.finish(t) for t in trajectories))
@@ -110,6 +111,13 @@ class AgentLoop:
             if self.settings.tokenization_sanity_check_mode != "disable" and not t.truncated:
                 t.trace.drift = self.renderer.drifts(self.conversation(t), t.prompt.ids + t.ids, self.settings.tokenization_sanity_check_mode)
         return [Generation(t.prompt.ids, t.ids, t.mask, t.log_probs, t.truncated, t.trace) for t in trajectories]
+
+    def turn_budget(self, live: list[Trajectory]) -> int:
+        """The next turn's max_new_tokens: the largest budget of a live trajectory, over every rank of a
+        tensor-parallel engine (its ranks submit their pooled prompts together, with one setting, those done with
+        none); 0 when every trajectory has ended. Each trajectory's turn is cut to its own budget after."""
+        budget = max((t.budget for t in live), default=0)
+        return budget if self.engine.group is None else max(gather_lists([budget], self.engine.group))
 
     def run(self, work):
         return self.events.run_until_complete(work)

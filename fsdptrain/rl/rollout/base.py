@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -67,6 +68,7 @@ class RolloutEngine(Protocol):
     """Samples from the policy's weights, which the trainer sends after every update."""
 
     dtype: torch.dtype  # the dtype `update_weights` expects its tensors in
+    group: dist.ProcessGroup | None  # the ranks that share this engine and call it together (None: this rank alone)
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:

@@ -53,6 +53,7 @@ class HFRollout:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
+        self.group = None  # every rank runs its own copy
         self.end_ids = end_token_ids(self.model, pad_id)
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
