@@ -1,13 +1,15 @@
 """Accuracy of a Hugging Face model folder on an RL parquet file, scored by the trainer's own reward functions.
 
     python -m fsdptrain.evaluate MODEL_DIR DATA.parquet [--backend hf|vllm] [--n 1] [--temperature 0] [--max-new-tokens 256]
-        [--batch-size 16] [--seed 0] [--out results.jsonl] [--summary summary.json]
+        [--batch-size 16] [--seed 0] [--out results.jsonl] [--summary summary.json] [--tool-config tools.yaml [--max-turns N]]
         [custom_reward_function.path=F custom_reward_function.name=N]
         [data.apply_chat_template_kwargs='{enable_thinking: false}']
 
 Greedy by default (`--temperature T` samples, `--n` responses per prompt). Per data_source: accuracy with its
 binomial standard error, mean score, mean response length in tokens, and how many responses hit
 --max-new-tokens without ending. `--out` writes one JSON line per response (prompt, response, scores).
+With `--tool-config` (verl's tool YAML) the model answers over several turns, calling those tools, within
+--max-new-tokens in all, as the GRPO trainer's multi-turn rollouts do.
 """
 
 import argparse
@@ -23,7 +25,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import gather_lists
-from fsdptrain.rl.agent.loop import AgentLoop
+from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings
+from fsdptrain.rl.agent.tools import load_tools, tool_schemas
 from fsdptrain.rl.data import Prompt, load_prompts
 from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_responses
 from fsdptrain.rl.rollout.base import RolloutEngine
@@ -65,7 +68,8 @@ def evaluate(
     for index, (response, scores) in enumerate(zip(responses, scored)):
         prompt = prompts[index // n]
         records.append({"index": index // n, "data_source": prompt.data_source, "prompt": prompt.messages, "ground_truth": prompt.ground_truth,
-                        "truncated": response.truncated, **scores})
+                        "truncated": response.truncated, **scores,
+                        **({} if response.trace is None else {"tool_calls": response.trace.tool_calls, "turns": response.trace.messages})})
     return records
 
 
@@ -83,6 +87,19 @@ def validate_on_ranks(engine: RolloutEngine, prompts: Sequence[Prompt], reward_f
     return metrics
 
 
+def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBase, max_model_len: int, seed: int) -> RolloutEngine:
+    """One process's engine: transformers' generate, or vLLM (`backend`), on the GPU where there is one."""
+    if backend == "vllm":
+        from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
+
+        settings = EngineSettings(gpu_memory_utilization=0.5 if torch.cuda.is_available() else 0.1, max_num_seqs=256, max_num_batched_tokens=8192,
+                                  enable_chunked_prefill=True, enforce_eager=True, free_cache_engine=False, load_format="auto")
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return VLLMRollout(model_dir, dtype, max_model_len, seed, settings, distributed=False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return HFRollout(model_dir, torch.device("cuda" if torch.cuda.is_available() else "cpu"), "auto", pad)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir")
@@ -95,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="JSONL of every prompt, response and score")
     parser.add_argument("--summary", help="JSON of the per-data_source figures printed in the table")
+    parser.add_argument("--tool-config", help="verl's tool YAML: answer over several turns with these tools")
+    parser.add_argument("--max-turns", type=int, help="assistant turns at most, with --tool-config (default: as the budget holds)")
     args = parser.parse_intermixed_args(argv)
     keys = {"custom_reward_function.path": None, "custom_reward_function.name": None, "data.apply_chat_template_kwargs": "{}"}
     files = []
@@ -114,19 +133,17 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    prompts = load_prompts(files, tokenizer, yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {})
-    if args.backend == "vllm":
-        from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
-
-        settings = EngineSettings(gpu_memory_utilization=0.5 if torch.cuda.is_available() else 0.1, max_num_seqs=256, max_num_batched_tokens=8192,
-                                  enable_chunked_prefill=True, enforce_eager=True, free_cache_engine=False, load_format="auto")
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        max_model_len = max(len(p.ids) for p in prompts) + args.max_new_tokens
-        engine = VLLMRollout(args.model_dir, dtype, max_model_len, args.seed, settings, distributed=False)
-    else:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        engine = HFRollout(args.model_dir, torch.device("cuda" if torch.cuda.is_available() else "cpu"), "auto", pad)
-    records = evaluate(engine, tokenizer, prompts, reward_fn, args.n, args.temperature, args.max_new_tokens, args.batch_size)
+    template_kwargs = yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {}
+    tools = load_tools(args.tool_config, "--tool-config") if args.tool_config else {}
+    prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools))
+    engine = build_engine(args.backend, args.model_dir, tokenizer, max(len(p.ids) for p in prompts) + args.max_new_tokens, args.seed)
+    agent = None
+    if tools:
+        settings = MultiTurnSettings(args.max_turns, max_user_turns=None, max_parallel_calls=1, max_tool_response_length=256,
+                                     tool_response_truncate_side="middle", format="hermes", tokenization_sanity_check_mode="disable",
+                                     tool_timeout_s=30.0)
+        agent = AgentLoop(engine, tokenizer, settings, tools, {}, template_kwargs)
+    records = evaluate(engine, tokenizer, prompts, reward_fn, args.n, args.temperature, args.max_new_tokens, args.batch_size, agent)
     if args.out:
         with open(args.out, "w") as f:
             for record in records:

@@ -7,15 +7,19 @@ multi-turn runs are in test_agent_runs.py."""
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from test_chat_templates import FAMILIES, template_tokenizer
 
 from fsdptrain.data.chat import tokenize_conversation
 from fsdptrain.errors import ConfigError
-from fsdptrain.rl.agent.interactions import EnvironmentInteraction
+from fsdptrain.rl.agent.interactions import EnvironmentInteraction, check_interaction_names
 from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings, truncate_response
 from fsdptrain.rl.agent.sokoban import Sokoban, parse_action
 from fsdptrain.rl.agent.templates import TurnRenderer
@@ -206,9 +210,7 @@ SETTINGS = MultiTurnSettings(max_assistant_turns=None, max_user_turns=None, max_
 def agent_loop(model: str, tokenizer, tools: dict | None = None, interactions: dict | None = None, **settings) -> AgentLoop:
     engine = HFRollout(model, torch.device("cpu"), torch.float32, pad_id=2)
     tools = {"calculator": CalculatorTool()} if tools is None else tools
-    roles = ["tool"] * bool(tools) + ["user"] * bool(interactions)
-    renderer = TurnRenderer(tokenizer, [t.tool_schema.model_dump() for t in tools.values()] or None, {}, roles)
-    return AgentLoop(engine, tokenizer, MultiTurnSettings(**{**vars(SETTINGS), **settings}), tools, interactions or {}, renderer)
+    return AgentLoop(engine, tokenizer, MultiTurnSettings(**{**vars(SETTINGS), **settings}), tools, interactions or {})
 
 
 def prompts_for(tokenizer, count: int, extra_info: dict | None = None) -> list[Prompt]:
@@ -353,7 +355,11 @@ def test_an_environment_answers_each_turn_until_its_cap(tool_model, tokenizer):
     that turn is not answered."""
     sokoban = EnvironmentInteraction({"name": "sokoban", "env": "fsdptrain.rl.agent.sokoban.Sokoban", "env_config": {"format_penalty": -0.2}})
     loop = agent_loop(tool_model, tokenizer, tools={}, interactions={"sokoban": sokoban}, max_user_turns=2)
-    prompts = prompts_for(tokenizer, 1, {"interaction_kwargs": {"name": "sokoban", "seed": 7}})
+    prompts = prompts_for(tokenizer, 1, {"interaction_kwargs": {"seed": 7}})
+    check_interaction_names(prompts, {"sokoban": sokoban}, "data.train_files")  # a row without a name: the only interaction
+    assert prompts[0].extra_info["interaction_kwargs"]["name"] == "sokoban"
+    with pytest.raises(ConfigError, match=r"data.val_files row 0: extra_info.interaction_kwargs.name='chess' names no interaction"):
+        check_interaction_names(prompts_for(tokenizer, 1, {"interaction_kwargs": {"name": "chess"}}), {"sokoban": sokoban}, "data.val_files")
     torch.manual_seed(0)
     board = Sokoban().reset(seed=7)[0]
     for g in loop.generate(prompts, n=3, max_new_tokens=200, batch_size=3):
@@ -363,3 +369,22 @@ def test_an_environment_answers_each_turn_until_its_cap(tool_model, tokenizer):
         assert [mask for mask, _ in segments(g)] == [1, 0, 1, 0, 1]
     assert sokoban.episodes == {}  # finalized
     assert (REPO / "fsdptrain/rl/agent/sokoban.py").exists() and json.dumps(board)
+
+
+def test_evaluate_answers_with_the_tool(tmp_path, tool_model):
+    """`python -m fsdptrain.evaluate --tool-config`: greedy trajectories through the loop, each record with its turns."""
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i + 3} * {2 * i + 5}?"}], "data_source": "arithmetic",
+             "reward_model": {"ground_truth": "408"}} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rl_test.parquet")
+    (tmp_path / "calculator_tool.yaml").write_text("tools:\n  - class_name: fsdptrain.rl.agent.tools.CalculatorTool\n")
+    out = tmp_path / "answers.jsonl"
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.evaluate", tool_model, str(tmp_path / "rl_test.parquet"), "--tool-config",
+                             str(tmp_path / "calculator_tool.yaml"), "--max-turns", "3", "--max-new-tokens", "96", "--out", str(out)],
+                            cwd=REPO, check=True, capture_output=True, text=True)
+    records = [json.loads(line) for line in open(out)]
+    assert len(records) == 6 and "arithmetic" in result.stdout
+    assert any(record["tool_calls"] for record in records)
+    for record in records:
+        roles = ["assistant", "tool", "assistant"] if record["tool_calls"] else ["assistant"]
+        assert [t["role"] for t in record["turns"]] == roles and record["response"].endswith("#### 408")
+        assert record["tool_calls"] == 0 or record["turns"][1]["content"] == "408"

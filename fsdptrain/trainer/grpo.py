@@ -29,10 +29,9 @@ from fsdptrain.models.lora import adapters_disabled, has_adapters
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, PolicyActor, UpdateSettings, compute_log_probs
 from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize_kl, put_token_values, token_advantages
-from fsdptrain.rl.agent.interactions import BaseInteraction, load_interactions
+from fsdptrain.rl.agent.interactions import BaseInteraction, check_interaction_names, load_interactions
 from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings
-from fsdptrain.rl.agent.templates import TurnRenderer
-from fsdptrain.rl.agent.tools import BaseTool, load_tools
+from fsdptrain.rl.agent.tools import BaseTool, load_tools, tool_schemas
 from fsdptrain.rl.critic import Critic, ValueLossSettings
 from fsdptrain.rl.data import load_prompts
 from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, multi_turn_metrics, plot, source_metrics, step_metrics
@@ -153,7 +152,7 @@ def run_grpo(config: GRPOConfig) -> None:
     check_rl_layout(config, parallel.dp_size, parallel.world_size)
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(multi_turn.tool_config_path) if multi_turn.enable and multi_turn.tool_config_path else {}
-    interactions = (load_interactions(multi_turn.interaction_config_path) if multi_turn.enable and multi_turn.interaction_config_path else {})
+    interactions = load_interactions(multi_turn.interaction_config_path) if multi_turn.enable and multi_turn.interaction_config_path else {}
     model_config, trainer = config.actor_rollout_ref.model, config.trainer
     hf_config = load_model_config(model_config.path, "actor_rollout_ref.model.path", model_config, parallel.sp_size)
     tokenizer = load_tokenizer(model_config.path, "actor_rollout_ref.model.path", model_config)
@@ -161,9 +160,8 @@ def run_grpo(config: GRPOConfig) -> None:
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {config.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
     reward_fn = build_reward_function(config)
-    schemas = [tool.tool_schema.model_dump() for tool in tools.values()] or None
-    train, val = (load_rl_prompts(config, files, tokenizer, key, schemas) for files, key in ((config.data.train_files, "data.train_files"),
-                                                                                            (config.data.val_files, "data.val_files")))
+    train, val = (load_rl_prompts(config, files, tokenizer, key, tools, interactions)
+                  for files, key in ((config.data.train_files, "data.train_files"), (config.data.val_files, "data.val_files")))
     total_steps = count_steps(trainer, len(train), config.data.train_batch_size, "prompts")
     kl_ctrl = build_kl_controller(config)
     algorithm = config.algorithm
@@ -184,7 +182,7 @@ def run_grpo(config: GRPOConfig) -> None:
     step_once = build_step(config, run, hf_config, train, scorer, cursor, kl_ctrl, shaping, critic, tokenizer.pad_token_id)
     engine = step_once.engine
     if multi_turn.enable:
-        step_once.sampler.agent = build_agent(config, engine, tokenizer, tools, interactions, schemas)
+        step_once.sampler.agent = build_agent(config, engine, tokenizer, tools, interactions)
     step_once.sync_weights()  # the resumed weights, before the first rollout
     val_kwargs, rollout = config.actor_rollout_ref.rollout.val_kwargs, config.actor_rollout_ref.rollout
 
@@ -240,26 +238,26 @@ def build_reward_function(config: GRPOConfig) -> RewardFn:
     return load_reward_function(config.custom_reward_function.path, config.custom_reward_function.name)
 
 
-def load_rl_prompts(config: GRPOConfig, files: list[str], tokenizer, key: str, tools: list[dict] | None) -> list:
+def load_rl_prompts(config: GRPOConfig, files: list[str], tokenizer, key: str, tools: dict[str, BaseTool],
+                    interactions: dict[str, BaseInteraction]) -> list:
     """The prompts of `files` (data.train_files or data.val_files, named by `key`), rendered with the schemas of
-    multi-turn `tools`, fitted to data.max_prompt_length."""
+    multi-turn `tools`, their rows' interactions checked, fitted to data.max_prompt_length."""
     if not files:
         return []
     data = config.data
-    prompts = load_prompts(files, tokenizer, data.apply_chat_template_kwargs, tools)
+    prompts = load_prompts(files, tokenizer, data.apply_chat_template_kwargs, tool_schemas(tools))
+    check_interaction_names(prompts, interactions, key)
     return fit_prompts(prompts, data.max_prompt_length, data.truncation, data.filter_overlong_prompts, key)
 
 
-def build_agent(config: GRPOConfig, engine: RolloutEngine, tokenizer, tools: dict[str, BaseTool], interactions: dict[str, BaseInteraction],
-                schemas: list[dict] | None) -> AgentLoop:
+def build_agent(config: GRPOConfig, engine: RolloutEngine, tokenizer, tools: dict[str, BaseTool],
+                interactions: dict[str, BaseInteraction]) -> AgentLoop:
     """The multi-turn loop on `engine` (actor_rollout_ref.rollout.multi_turn)."""
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     settings = MultiTurnSettings(multi_turn.max_assistant_turns, multi_turn.max_user_turns, multi_turn.max_parallel_calls,
                                  multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side, multi_turn.format,
                                  multi_turn.tokenization_sanity_check_mode, multi_turn.tool_timeout_s)
-    appended_roles = ["tool"] * bool(tools) + ["user"] * bool(interactions)
-    renderer = TurnRenderer(tokenizer, schemas, config.data.apply_chat_template_kwargs, appended_roles)
-    return AgentLoop(engine, tokenizer, settings, tools, interactions, renderer)
+    return AgentLoop(engine, tokenizer, settings, tools, interactions, config.data.apply_chat_template_kwargs)
 
 
 def build_kl_controller(config: GRPOConfig) -> core_algos.KLController | None:

@@ -6,11 +6,13 @@ An interaction is chosen per row by `extra_info.interaction_kwargs.name`; those 
 becomes the next user message, the score is kept in the trajectory's `turn_scores` for the reward function.
 """
 
+from collections.abc import Sequence
 from typing import Any
 from uuid import uuid4
 
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.agent.tools import import_class, read_yaml_list
+from fsdptrain.rl.data import Prompt
 
 
 class BaseInteraction:
@@ -44,6 +46,20 @@ def load_interactions(path: str, key: str = "actor_rollout_ref.rollout.multi_tur
             raise ConfigError(f"{key}={path!r}: two interactions are named {name!r}")
         interactions[name] = interaction
     return interactions
+
+
+def check_interaction_names(prompts: Sequence[Prompt], interactions: dict[str, BaseInteraction], source: str) -> None:
+    """Every row's `extra_info.interaction_kwargs.name` names an interaction (a row without one takes the only
+    interaction there is); an error names the file's key and the row."""
+    for row, prompt in enumerate(prompts):
+        kwargs = prompt.extra_info.get("interaction_kwargs")
+        if not kwargs:
+            continue
+        if "name" not in kwargs and len(interactions) == 1:
+            kwargs["name"] = next(iter(interactions))
+        if kwargs.get("name") not in interactions:
+            raise ConfigError(f"{source} row {row}: extra_info.interaction_kwargs.name={kwargs.get('name')!r} names no interaction of "
+                              f"actor_rollout_ref.rollout.multi_turn.interaction_config_path (it has {sorted(interactions)})")
 
 
 class EnvironmentInteraction(BaseInteraction):

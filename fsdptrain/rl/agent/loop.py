@@ -20,7 +20,7 @@ from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.rl.agent.interactions import BaseInteraction
 from fsdptrain.rl.agent.templates import TurnRenderer
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS, ParsedTurn, ToolCall
-from fsdptrain.rl.agent.tools import BaseTool, response_text
+from fsdptrain.rl.agent.tools import BaseTool, response_text, tool_schemas
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rollout.base import AgentTrace, Generation, RolloutEngine
 
@@ -86,11 +86,14 @@ class AgentLoop:
     settings: MultiTurnSettings
     tools: dict[str, BaseTool]
     interactions: dict[str, BaseInteraction]
-    renderer: TurnRenderer
+    template_kwargs: dict = field(default_factory=dict)  # data.apply_chat_template_kwargs
 
     def __post_init__(self):
         self.events = asyncio.new_event_loop()
         self.parse = TOOL_CALL_FORMATS[self.settings.format]
+        # Raises (ConfigError) where the template cannot render a tool's or an interaction's message.
+        self.renderer = TurnRenderer(self.tokenizer, tool_schemas(self.tools), self.template_kwargs,
+                                     ["tool"] * bool(self.tools) + ["user"] * bool(self.interactions))
 
     def generate(self, prompts: Sequence[Prompt], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
@@ -123,16 +126,12 @@ class AgentLoop:
         return self.events.run_until_complete(work)
 
     async def start_interactions(self, trajectories: list[Trajectory]) -> None:
+        """The rows' interactions, by `extra_info.interaction_kwargs.name` (checked at load: interactions.check_interaction_names)."""
         for t in trajectories:
-            kwargs = dict(t.prompt.extra_info.get("interaction_kwargs") or {})
-            if not kwargs:
-                continue
-            name = kwargs.get("name", next(iter(self.interactions), None))
-            if name not in self.interactions:
-                raise ValueError(f"extra_info.interaction_kwargs.name={name!r} of a prompt ({t.prompt.data_source}) names no interaction of "
-                                 f"multi_turn.interaction_config_path (it has {sorted(self.interactions)})")
-            t.interaction = self.interactions[name]
-            t.interaction_id = await t.interaction.start_interaction(None, **kwargs)
+            kwargs = t.prompt.extra_info.get("interaction_kwargs")
+            if self.interactions and kwargs:
+                t.interaction = self.interactions[kwargs["name"]]
+                t.interaction_id = await t.interaction.start_interaction(None, **kwargs)
 
     def take_turn(self, t: Trajectory, turn: Generation) -> list[ToolCall]:
         """Append the turn's tokens (cut to the budget); the tool calls to run, if the trajectory goes on."""

@@ -136,6 +136,11 @@ class CalculatorTool(BaseTool):
             return f"Error: {e}", 0.0, {}
 
 
+def tool_schemas(tools: dict[str, BaseTool]) -> list[dict] | None:
+    """The tools as chat templates take them (`tools=`): the prompts are rendered with them."""
+    return [tool.tool_schema.model_dump() for tool in tools.values()] or None
+
+
 def import_class(dotted: str, key: str) -> type:
     module, _, name = dotted.rpartition(".")
     try:
