@@ -4,13 +4,13 @@
 # transcripts; multi-turn GRPO with the calculator from that SFT model; then held-out accuracy of SFT-without-tool,
 # SFT-with-tool and GRPO-with-tool on the same problems, with paired standard errors (docs/results.md).
 #   bash scripts/tool_task.sh
-# Sizes are environment variables: WORK (runs/tool_task), SFT_STEPS (16, the quickstart's), TOOL_SFT_STEPS (6),
+# Sizes are environment variables: WORK (runs/tool_task), SFT_STEPS (16, the quickstart's), TOOL_SFT_STEPS (3),
 # GRPO_STEPS (10), GRPO_PROMPTS (8 prompts a step, 8 trajectories each), GRPO_LR (1e-5), TEST_ROWS (200),
 # SEED (1: the data's and the runs'), NPROC (2), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-WORK=${WORK:-runs/tool_task} SFT_STEPS=${SFT_STEPS:-16} TOOL_SFT_STEPS=${TOOL_SFT_STEPS:-6} GRPO_STEPS=${GRPO_STEPS:-10}
+WORK=${WORK:-runs/tool_task} SFT_STEPS=${SFT_STEPS:-16} TOOL_SFT_STEPS=${TOOL_SFT_STEPS:-3} GRPO_STEPS=${GRPO_STEPS:-10}
 GRPO_PROMPTS=${GRPO_PROMPTS:-8} GRPO_LR=${GRPO_LR:-1e-5} TEST_ROWS=${TEST_ROWS:-200} SEED=${SEED:-1} NPROC=${NPROC:-2}
 bash scripts/setup.sh smollm2
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"

@@ -86,6 +86,7 @@ def test_a_multi_turn_run_reports_its_turns_tools_and_drift(agent_run):
             assert key in m, key
         assert m["num_turns/min"] >= 2 and m["num_turns/max"] <= 4
     assert "val-core/arithmetic/acc/mean@1" in metrics[-1]  # validation runs the same loop
+    assert all(os.path.getsize(os.path.join(agent_run, "plots", name)) > 0 for name in ("turns.png", "tools.png"))
     rows = dumped(agent_run, 1)
     assert len(rows) == 16
     for row in rows:

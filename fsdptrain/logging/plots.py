@@ -36,8 +36,8 @@ def _band(history: Sequence[dict], key: str, label: str, title: str, path: str) 
 def write_plots(history: Sequence[dict], response_lengths: Sequence[int] | None, directory: str) -> list[str]:
     """`{directory}/score.png` and `response_length.png` (mean, min and max per step), `reward_sources.png` (each
     weighted reward source's mean score, where there are several), `val_acc.png` (each validation accuracy metric,
-    where any was logged) and, given the latest step's response lengths,
-    `response_length_hist.png`. Returns the paths."""
+    where any was logged), `turns.png` and `tools.png` (a multi-turn run's turns, and tool calls and failures per
+    trajectory) and, given the latest step's response lengths, `response_length_hist.png`. Returns the paths."""
     os.makedirs(directory, exist_ok=True)
     paths = [_band(history, "critic/score", "score", "Training score", os.path.join(directory, "score.png")),
              _band(history, "response_length", "tokens", "Response length", os.path.join(directory, "response_length.png"))]
@@ -58,6 +58,14 @@ def write_plots(history: Sequence[dict], response_lengths: Sequence[int] | None,
         axes.set(xlabel="step", ylabel="accuracy", title="Validation accuracy")
         axes.legend()
         paths.append(_save(figure, os.path.join(directory, "val_acc.png")))
+    if "num_turns/mean" in history[-1]:
+        paths.append(_band(history, "num_turns", "turns", "Turns per trajectory", os.path.join(directory, "turns.png")))
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for name in ("tool_calls", "tool_errors", "tool_timeouts", "format_errors"):
+            axes.plot([m["step"] for m in history], [m[f"multi_turn/{name}_per_trajectory"] for m in history], label=name.replace("_", " "))
+        axes.set(xlabel="step", ylabel="per trajectory", title="Tool calls")
+        axes.legend()
+        paths.append(_save(figure, os.path.join(directory, "tools.png")))
     if response_lengths:
         figure, axes = plt.subplots(figsize=(6, 4))
         axes.hist(response_lengths, bins=min(30, len(set(response_lengths))))
