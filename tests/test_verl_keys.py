@@ -117,6 +117,9 @@ def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass(
     assert problems == ["critic.model.lora_rank=@5: LoRA is built for the policy (actor_rollout_ref.model.lora_rank), not yet for the critic; train the critic's full weights (remove the key)"]
     _, problems = translate(["critic.ppo_micro_batch_size=64"], "grpo", 1)
     assert problems == ["critic.ppo_micro_batch_size=64: a global micro-batch size is not taken; use critic.ppo_micro_batch_size_per_gpu"]
+    assert translate([f"reward_model.reward_manager={name}" for name in ("naive", "prime", "dapo")], "grpo", 1) == ([], [])
+    _, problems = translate(["reward_model.reward_manager=batch"], "grpo", 1)
+    assert problems and problems[0].startswith("reward_model.reward_manager=batch: verl's batch manager")
     overrides, problems = translate(["model.fsdp_config.offload_params=true", "trainer.nnodes=2"], "sft", 2)
     assert overrides == ["model.fsdp_config.cpu_offload=true"] and "trainer.nnodes (2) x trainer.n_gpus_per_node (2)" in problems[0]
 

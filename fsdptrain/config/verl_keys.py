@@ -60,6 +60,11 @@ def hydra_value(text: str) -> Any:
         return text
 
 
+def off_values(entry: dict[str, Any]) -> list[Any]:
+    """The values of a refused key that ask for nothing unbuilt (`unless`: one value or a list)."""
+    return entry["unless"] if isinstance(entry["unless"], list) else [entry["unless"]]
+
+
 def note(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"fsdptrain: {message}", file=sys.stderr)
@@ -95,7 +100,7 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
             kept.append(f"{entry['mapped']}={value}")
         elif "accepted" in entry:
             note(f"{key}={value} changes nothing here: {' '.join(str(entry['accepted']).split())}")
-        elif "refused" in entry and ("unless" not in entry or hydra_value(value) != entry["unless"]):
+        elif "refused" in entry and ("unless" not in entry or hydra_value(value) not in off_values(entry)):
             problems.append(f"{key}={value}: {' '.join(str(entry['refused']).split())}")
         elif entry.get("world_size"):
             shape[key.rsplit(".", 1)[1]] = hydra_value(value)
