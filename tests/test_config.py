@@ -147,6 +147,16 @@ def test_an_engine_must_span_whole_groups_of_ranks():
         check_rl_layout(config, dp_size=3, world_size=3)
 
 
+def test_vllm_engines_on_cpu_may_not_take_the_training_processes_memory():
+    config = grpo_config("actor_rollout_ref.rollout.name=vllm")  # gpu_memory_utilization 0.5: right for one engine a GPU
+    check_rl_layout(config, dp_size=2, world_size=2)
+    check_rl_layout(config, dp_size=1, world_size=1, cpu_processes=1)
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.5 on CPU: each of this host's 2 vLLM engines .* at most 0.40"):
+        check_rl_layout(config, dp_size=2, world_size=2, cpu_processes=2)
+    check_rl_layout(grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"),
+                    dp_size=2, world_size=2, cpu_processes=2)
+
+
 def test_newer_verls_reward_keys_are_accepted():
     config = grpo_config("reward.custom_reward_function.path=mine.py", "reward.custom_reward_function.name=score_it")
     assert (config.custom_reward_function.path, config.custom_reward_function.name) == ("mine.py", "score_it")

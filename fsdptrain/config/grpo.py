@@ -176,6 +176,9 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig
 
 
+HOST_MEMORY_FOR_ENGINES = 0.8  # on CPU: the share of host memory all of a host's vLLM engines may take together
+
+
 def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
     one_of(f"{ROLLOUT}.name", rollout.name, tuple(ENGINES))
     if rollout.name == "vllm":
@@ -593,13 +596,19 @@ def check_critic_estimator(config: GRPOConfig) -> None:
                           f"critic.enable={config.critic.enable}): there is nothing to warm up")
 
 
-def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int) -> None:
-    """Sizes that depend on the number of ranks, checked once the world is known."""
-    data, actor, n = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
-    tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
+def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int, cpu_processes: int = 0) -> None:
+    """Sizes that depend on the number of ranks, checked once the world is known. `cpu_processes`: the training
+    processes that share this host's memory when they run on CPU (0 on GPUs)."""
+    data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    n, tp = rollout.n, rollout.tensor_model_parallel_size
     if world_size % tp:
         raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world_size}): "
                           "each engine spans that many consecutive ranks")
+    engines = max(cpu_processes // tp, 1)
+    if cpu_processes and rollout.name == "vllm" and rollout.gpu_memory_utilization * engines > HOST_MEMORY_FOR_ENGINES:
+        raise ConfigError(f"{ROLLOUT}.gpu_memory_utilization={rollout.gpu_memory_utilization} on CPU: each of this host's {engines} "
+                          f"vLLM engines takes that share of host memory ({rollout.gpu_memory_utilization * engines:.2f} in all, "
+                          f"the training processes need the rest); set it to at most {HOST_MEMORY_FOR_ENGINES / engines:.2f}")
     if data.train_batch_size % dp_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
                           "each rank generates for whole prompts")

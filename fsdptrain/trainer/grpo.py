@@ -149,7 +149,8 @@ class GRPOStep:
 def run_grpo(config: GRPOConfig) -> None:
     parallel = start_run(config.trainer, config.actor_rollout_ref.actor.ulysses_sequence_parallel_size, config.actor_rollout_ref.nccl_timeout)
     claim_run_directory(config.trainer, parallel)
-    check_rl_layout(config, parallel.dp_size, parallel.world_size)
+    check_rl_layout(config, parallel.dp_size, parallel.world_size,
+                    int(os.environ.get("LOCAL_WORLD_SIZE", parallel.world_size)) if parallel.device.type == "cpu" else 0)
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(multi_turn.tool_config_path) if multi_turn.enable and multi_turn.tool_config_path else {}
     interactions = load_interactions(multi_turn.interaction_config_path) if multi_turn.enable and multi_turn.interaction_config_path else {}
