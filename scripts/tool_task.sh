@@ -5,13 +5,13 @@
 # SFT-with-tool and GRPO-with-tool on the same problems, with paired standard errors (docs/results.md).
 #   bash scripts/tool_task.sh
 # Sizes are environment variables: WORK (runs/tool_task), SFT_STEPS (16, the quickstart's), TOOL_SFT_STEPS (3),
-# GRPO_STEPS (10), GRPO_PROMPTS (8 prompts a step, 8 trajectories each), GRPO_LR (1e-5), TEST_ROWS (200),
+# GRPO_STEPS (10), GRPO_PROMPTS (8 prompts a step, 8 trajectories each), GRPO_LR (2e-5), TEST_ROWS (200),
 # SEED (1: the data's and the runs'), NPROC (2), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 WORK=${WORK:-runs/tool_task} SFT_STEPS=${SFT_STEPS:-16} TOOL_SFT_STEPS=${TOOL_SFT_STEPS:-3} GRPO_STEPS=${GRPO_STEPS:-10}
-GRPO_PROMPTS=${GRPO_PROMPTS:-8} GRPO_LR=${GRPO_LR:-1e-5} TEST_ROWS=${TEST_ROWS:-200} SEED=${SEED:-1} NPROC=${NPROC:-2}
+GRPO_PROMPTS=${GRPO_PROMPTS:-8} GRPO_LR=${GRPO_LR:-2e-5} TEST_ROWS=${TEST_ROWS:-200} SEED=${SEED:-1} NPROC=${NPROC:-2}
 bash scripts/setup.sh smollm2
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
 python scripts/make_arithmetic_data.py "$WORK/arithmetic" --train 2000 --val 32 --test 16 --seed 0
@@ -40,6 +40,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 \
     actor_rollout_ref.rollout.multi_turn.enable=true actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3 \
     actor_rollout_ref.rollout.multi_turn.tool_config_path="$WORK/data/calculator_tool.yaml" \
+    reward_model.overlong_buffer.enable=true reward_model.overlong_buffer.len=32 \
     trainer.seed="$SEED" trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \
     trainer.rollout_data_dir="$WORK/grpo/rollouts" ${GRPO_ARGS:-}
