@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_chat_templates import FAMILIES, template_tokenizer
+from test_chat_templates import FAMILIES, TURNS, template_tokenizer
 
 from fsdptrain.data.chat import tokenize_conversation
 from fsdptrain.errors import ConfigError
@@ -23,7 +23,7 @@ from fsdptrain.rl.agent.interactions import EnvironmentInteraction, check_intera
 from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings, truncate_response
 from fsdptrain.rl.agent.sokoban import Sokoban, parse_action
 from fsdptrain.rl.agent.templates import TurnRenderer
-from fsdptrain.rl.agent.tool_calls import ToolCall, parse_hermes
+from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS, ToolCall, parse_hermes, parse_llama3_json
 from fsdptrain.rl.agent.tools import BaseTool, CalculatorTool, evaluate_arithmetic, load_tools
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import Scorer
@@ -78,6 +78,27 @@ def test_hermes_tool_calls_are_parsed_and_malformed_ones_counted():
                  '<tool_call>{"name": "c", "arguments": [1]}</tool_call>'):
         parsed = parse_hermes(text)
         assert parsed.calls == [] and parsed.malformed == 1, text
+
+
+def test_llama_json_tool_calls_are_parsed_and_malformed_ones_counted():
+    both = '<|python_tag|>{"name": "calculator", "parameters": {"expression": "12*34"}}; {"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}'
+    assert parse_llama3_json(both).calls == [ToolCall("calculator", {"expression": "12*34"}), ToolCall("search", {"q": "x"})]
+    assert parse_llama3_json("12 * 34 = 408.\n#### 408").calls == [] and parse_llama3_json("12 * 34 = 408.").malformed == 0
+    for text in ('{"name": "calculator"', '{"name": "c", "parameters": [1]}', '{"parameters": {}}', '{"name": "c", "parameters": {}} and more'):
+        assert parse_llama3_json(text).malformed == 1, text
+
+
+@pytest.mark.parametrize("template, fmt", [("qwen2_5", "hermes"), ("qwen3", "hermes"), ("llama3_1", "llama3_json"), ("llama3_2", "llama3_json")])
+def test_each_format_reads_the_calls_its_template_writes(tokenizer_dir, template, fmt):
+    """The parser of each template's format reads back the tool calls that the real template renders for an
+    assistant turn: the form a model trained on that template's data writes."""
+    tok = template_tokenizer(tokenizer_dir, template)
+    calls = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}]
+    conversation = [{"role": "user", "content": "What is 12 * 34?"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    before = tok.apply_chat_template(conversation[:1], tools=SCHEMAS, tokenize=False, add_generation_prompt=True)
+    turn = tok.apply_chat_template(conversation, tools=SCHEMAS, tokenize=False)[len(before):]
+    turn = turn[: turn.index(TURNS[template][1])]
+    assert TOOL_CALL_FORMATS[fmt](turn).calls == [ToolCall("calculator", {"expression": "12 * 34"})], turn
 
 
 def test_the_calculator_evaluates_arithmetic_and_nothing_else():

@@ -23,29 +23,59 @@ class ParsedTurn:
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+def as_call(call: Any) -> ToolCall | None:
+    """A decoded call object as a ToolCall: a string `name` and an object of arguments (`arguments`, or Llama's
+    `parameters`; some models write it as a JSON string, as OpenAI's API does); None where it is not one."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(call["name"], arguments) if isinstance(arguments, dict) else None
+
+
 def parse_hermes(text: str) -> ParsedTurn:
     """Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks. An opened
     block that never closes counts as malformed."""
     calls, malformed = [], 0
     for body in HERMES_CALL.findall(text):
         try:
-            call = json.loads(body)
+            call = as_call(json.loads(body))
         except json.JSONDecodeError:
+            call = None
+        if call is None:
             malformed += 1
-            continue
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-            malformed += 1
-            continue
-        calls.append(ToolCall(call["name"], arguments))
+        else:
+            calls.append(call)
     malformed += max(text.count("<tool_call>") - text.count("</tool_call>"), 0)
     return ParsedTurn(calls, malformed)
 
 
+def parse_llama3_json(text: str) -> ParsedTurn:
+    """Llama 3.1's and 3.2's JSON tool calls, as their template renders them: the whole turn is
+    `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` where the model writes one), several separated by
+    `;`. A turn that opens with `{` but is not such calls counts as malformed; any other turn is an answer."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return ParsedTurn([], 0)
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while position < len(body):
+        try:
+            decoded, position = decoder.raw_decode(body, position)
+        except json.JSONDecodeError:
+            return ParsedTurn(calls, 1)
+        if (call := as_call(decoded)) is None:
+            return ParsedTurn(calls, 1)
+        calls.append(call)
+        rest = body[position:].lstrip()
+        if not rest.startswith(";"):
+            return ParsedTurn(calls, int(bool(rest)))  # text after the calls: not the template's form
+        position = len(body) - len(rest[1:].lstrip())
+    return ParsedTurn(calls, 0)
+
+
 # multi_turn.format -> the parser of that format
-TOOL_CALL_FORMATS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes}
+TOOL_CALL_FORMATS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
