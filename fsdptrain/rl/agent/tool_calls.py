@@ -21,6 +21,7 @@ class ParsedTurn:
 
 
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+LLAMA_SEPARATOR = re.compile(r"\s*;\s*")
 
 
 def as_call(call: Any) -> ToolCall | None:
@@ -70,10 +71,9 @@ def parse_llama3_json(text: str) -> ParsedTurn:
         if (call := as_call(decoded)) is None:
             return ParsedTurn(calls, 1)
         calls.append(call)
-        rest = body[position:].lstrip()
-        if not rest.startswith(";"):
-            return ParsedTurn(calls, int(bool(rest)))  # text after the calls: not the template's form
-        position = len(body) - len(rest[1:].lstrip())
+        if (separator := LLAMA_SEPARATOR.match(body, position)) is None:
+            return ParsedTurn(calls, int(bool(body[position:].strip())))  # text after the calls: not the template's form
+        position = separator.end()
     return ParsedTurn(calls, 0)
 
 
