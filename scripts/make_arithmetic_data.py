@@ -1,9 +1,10 @@
 """Verifiable arithmetic tasks as SFT and RL parquet files, or a GSM8K-style file converted to both layouts.
 
-    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--seed 0]
+    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--seed 0] [--operations plus,minus,times]
     python scripts/make_arithmetic_data.py OUT_DIR --from-gsm8k train.parquet [test.parquet ...]
 
-Tasks mix addition, subtraction and multiplication of 1- to 3-digit numbers, with the answer after `####`.
+Tasks mix addition, subtraction and multiplication of 1- to 3-digit numbers (or those of --operations), with the
+answer after `####`.
 Writes, for each split (train, val, test; or each GSM8K file by its name):
 - sft_{split}.parquet: a `messages` column (user question, assistant worked answer ending `#### n`);
 - rl_{split}.parquet: verl's layout (`prompt`, `data_source`, `reward_model` {ground_truth, style}, `extra_info`).
@@ -22,9 +23,9 @@ INSTRUCTION = "Solve the problem and give the final answer after '####'."
 OPERATIONS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
 
 
-def arithmetic_task(rng: random.Random) -> tuple[str, str, int]:
+def arithmetic_task(rng: random.Random, operations: list[str]) -> tuple[str, str, int]:
     """(question, worked answer ending '#### n', n)."""
-    name = rng.choice(list(OPERATIONS))
+    name = rng.choice(operations)
     digits = rng.choice([1, 2, 2, 3]) if name != "times" else rng.choice([1, 2])
     a, b = (rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1) for _ in range(2))
     result = OPERATIONS[name](a, b)
@@ -46,12 +47,12 @@ def write_split(out: str, split: str, rows: list[tuple[str, str, str]], data_sou
     pq.write_table(pa.Table.from_pylist([rl for _, rl in made]), os.path.join(out, f"rl_{split}.parquet"))
 
 
-def arithmetic_splits(sizes: dict[str, int], seed: int) -> dict[str, list[tuple[str, str, str]]]:
+def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str]) -> dict[str, list[tuple[str, str, str]]]:
     rng, seen, splits = random.Random(seed), set(), {}
     for split, size in sizes.items():
         rows = []
         while len(rows) < size:
-            question, answer, result = arithmetic_task(rng)
+            question, answer, result = arithmetic_task(rng, operations)
             if question not in seen:  # no question in two splits (nor twice in one)
                 seen.add(question)
                 rows.append((question, answer, str(result)))
@@ -79,15 +80,20 @@ def main() -> None:
     parser.add_argument("--val", type=int, default=200)
     parser.add_argument("--test", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--operations", default="plus,minus,times", help="comma-separated, of: " + ", ".join(OPERATIONS))
     parser.add_argument("--from-gsm8k", nargs="+", metavar="FILE", help="convert GSM8K-style files instead of generating tasks")
     args = parser.parse_args()
+    operations = args.operations.split(",")
+    unknown = sorted(set(operations) - set(OPERATIONS))
+    if unknown:
+        raise SystemExit(f"--operations: unknown {unknown}; choose from {', '.join(OPERATIONS)}")
     os.makedirs(args.out, exist_ok=True)
     if args.from_gsm8k:
         for path in args.from_gsm8k:
             split = os.path.splitext(os.path.basename(path))[0]
             write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k")
     else:
-        for split, rows in arithmetic_splits({"train": args.train, "val": args.val, "test": args.test}, args.seed).items():
+        for split, rows in arithmetic_splits({"train": args.train, "val": args.val, "test": args.test}, args.seed, operations).items():
             write_split(args.out, split, rows, "arithmetic")
     print(f"wrote sft_*.parquet and rl_*.parquet under {args.out}")
 

@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -33,3 +34,15 @@ def test_grpo_smoke_passes(tmp_path):
     result = subprocess.run(["bash", "scripts/smoke_grpo.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "SMOKE OK" in result.stdout
+
+
+def test_arithmetic_data_keeps_to_the_operations_asked(tmp_path):
+    import pyarrow.parquet as pq
+
+    script = [sys.executable, "scripts/make_arithmetic_data.py", str(tmp_path), "--train", "40", "--val", "4", "--test", "4"]
+    subprocess.run([*script, "--operations", "plus,times"], cwd=REPO, check=True, capture_output=True)
+    questions = [row[0]["content"] for row in pq.read_table(tmp_path / "rl_train.parquet").column("prompt").to_pylist()]
+    operations = {next(name for name in ("plus", "minus", "times") if f" {name} " in q) for q in questions}
+    assert operations == {"plus", "times"}
+    failed = subprocess.run([*script, "--operations", "plus,divide"], cwd=REPO, capture_output=True, text=True)
+    assert failed.returncode != 0 and "--operations: unknown ['divide']" in failed.stderr

@@ -19,7 +19,7 @@ from test_agent import tool_model  # noqa: F401  (a fixture)
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.sft import load_sft_config
-from fsdptrain.config.verl_keys import TABLE, translate
+from fsdptrain.config.verl_keys import TABLE, entry_of, known_keys, off_values, translate, verl_table
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.agent.tools import load_tools
 
@@ -122,6 +122,27 @@ def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass(
     assert problems and problems[0].startswith("reward_model.reward_manager=batch: verl's batch manager")
     overrides, problems = translate(["model.fsdp_config.offload_params=true", "trainer.nnodes=2"], "sft", 2)
     assert overrides == ["model.fsdp_config.cpu_offload=true"] and "trainer.nnodes (2) x trainer.n_gpus_per_node (2)" in problems[0]
+
+
+def test_every_key_of_verls_ppo_trainer_yaml_has_a_state():
+    """Each key of verl's ppo_trainer.yaml is fsdptrain's own or in verl_keys.yaml, and a refused key's off value
+    (what verl's scripts leave it at) loads."""
+    leaves, _ = known_keys("grpo")
+    table = verl_table("grpo")
+    keys = [line.strip() for line in (EXAMPLES / "ppo_trainer_keys.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert len(keys) > 200
+    unknown = [key for key in keys if key not in leaves and not any(leaf.startswith(key + ".") for leaf in leaves) and entry_of(key, table) is None]
+    assert unknown == []
+    for key in keys:
+        entry = entry_of(key, table)
+        if entry is not None and "refused" in entry and "unless" in entry:
+            for value in off_values(entry):
+                text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+                assert translate([f"{key}={text}"], "grpo", 1)[1] == [], key
+    _, problems = translate(["actor_rollout_ref.actor.strategy=megatron", "data.prompt_key=question"], "grpo", 1)
+    assert [p.split(":")[0] for p in problems] == ["actor_rollout_ref.actor.strategy=megatron", "data.prompt_key=question"]
+    overrides, problems = translate(["actor_rollout_ref.actor.optim.warmup_style=cosine", "trainer.max_actor_ckpt_to_keep=2"], "grpo", 1)
+    assert (overrides, problems) == (["actor_rollout_ref.actor.optim.lr_scheduler=cosine", "trainer.max_ckpt_to_keep=2"], [])
 
 
 def test_the_docs_table_lists_every_key():

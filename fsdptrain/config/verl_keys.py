@@ -84,8 +84,9 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
             kept.append(override)
             continue
         entry = entry_of(key, table)
-        if entry is not None and hydra_value(value) in (entry.get("values") or {}):
-            renamed = entry["values"][hydra_value(value)]
+        renames = {str(k): v for k, v in (entry or {}).get("values", {}).items()}  # by text: a value may be a mapping ({})
+        if str(hydra_value(value)) in renames:
+            renamed = renames[str(hydra_value(value))]
             note(f"{key}={value} is {key}={renamed} here: {' '.join(str(entry['reason']).split())}")
             kept.append(f"{key}={renamed}")
             continue
