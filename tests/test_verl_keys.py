@@ -1,7 +1,8 @@
 """verl's command lines as verl reads them (fsdptrain/config/verl_keys.py, verl_keys.yaml): verl's own GSM8K GRPO
 example script (tests/verl_examples/, unchanged) loads with no unknown key and runs two steps with only the
 launcher, paths and sizes changed; every mistake of a command line is reported in one error; the launch's shape is
-checked against the world size; and the docs' table lists every key of verl_keys.yaml."""
+checked against the world size; every key of verl's ppo_trainer.yaml and sft_trainer.yaml has a state; and the
+docs' table lists every key of verl_keys.yaml."""
 
 import asyncio
 import importlib.util
@@ -124,13 +125,15 @@ def test_the_launch_shape_matches_the_world_and_off_values_of_refused_keys_pass(
     assert overrides == ["model.fsdp_config.cpu_offload=true"] and "trainer.nnodes (2) x trainer.n_gpus_per_node (2)" in problems[0]
 
 
-def test_every_key_of_verls_ppo_trainer_yaml_has_a_state():
-    """Each key of verl's ppo_trainer.yaml is fsdptrain's own or in verl_keys.yaml, and a refused key's off value
-    (what verl's scripts leave it at) loads."""
-    leaves, _ = known_keys("grpo")
-    table = verl_table("grpo")
-    keys = [line.strip() for line in (EXAMPLES / "ppo_trainer_keys.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
-    assert len(keys) > 200
+@pytest.mark.parametrize("trainer, verl_yaml", [("grpo", "ppo_trainer"), ("sft", "sft_trainer")])
+def test_every_key_of_verls_trainer_yaml_has_a_state(trainer, verl_yaml):
+    """Each key of verl's trainer YAML is fsdptrain's own or in verl_keys.yaml, and a refused key's off value (what
+    verl's scripts leave it at) loads."""
+    leaves, _ = known_keys(trainer)
+    table = verl_table(trainer)
+    lines = (EXAMPLES / f"{verl_yaml}_keys.txt").read_text().splitlines()
+    keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert len(keys) > 40
     unknown = [key for key in keys if key not in leaves and not any(leaf.startswith(key + ".") for leaf in leaves) and entry_of(key, table) is None]
     assert unknown == []
     for key in keys:
@@ -138,11 +141,16 @@ def test_every_key_of_verls_ppo_trainer_yaml_has_a_state():
         if entry is not None and "refused" in entry and "unless" in entry:
             for value in off_values(entry):
                 text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-                assert translate([f"{key}={text}"], "grpo", 1)[1] == [], key
+                assert translate([f"{key}={text}"], trainer, 1)[1] == [], key
+
+
+def test_verl_keys_refuse_and_rename_as_the_table_says():
     _, problems = translate(["actor_rollout_ref.actor.strategy=megatron", "data.prompt_key=question"], "grpo", 1)
     assert [p.split(":")[0] for p in problems] == ["actor_rollout_ref.actor.strategy=megatron", "data.prompt_key=question"]
     overrides, problems = translate(["actor_rollout_ref.actor.optim.warmup_style=cosine", "trainer.max_actor_ckpt_to_keep=2"], "grpo", 1)
     assert (overrides, problems) == (["actor_rollout_ref.actor.optim.lr_scheduler=cosine", "trainer.max_ckpt_to_keep=2"], [])
+    overrides, problems = translate(["optim.warmup_steps_ratio=0.05", "trainer.resume_path=/ckpt"], "sft", 1)
+    assert overrides == ["optim.lr_warmup_steps_ratio=0.05"] and "trainer.resume_from_path" in problems[0]
 
 
 def test_the_docs_table_lists_every_key():
