@@ -85,8 +85,8 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
             continue
         entry = entry_of(key, table)
         renames = {str(k): v for k, v in (entry or {}).get("values", {}).items()}  # by text: a value may be a mapping ({})
-        if str(hydra_value(value)) in renames:
-            renamed = renames[str(hydra_value(value))]
+        renamed = renames.get(str(hydra_value(value)))
+        if renamed is not None:
             note(f"{key}={value} is {key}={renamed} here: {' '.join(str(entry['reason']).split())}")
             kept.append(f"{key}={renamed}")
             continue
