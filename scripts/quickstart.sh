@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct made better at arithmetic on this machine, end to end: set-up, the model as a Hugging Face
-# folder, verifiable arithmetic data, SFT on 2 processes, GRPO from the SFT model on 2 processes, then the base,
-# SFT and GRPO models evaluated on the held-out test split, side by side. About 15 minutes on 2 CPU cores, where a
-# GRPO step of 4 prompts x 8 responses takes about 40 s: the default sizes show the pipeline working; a clear gain
-# from GRPO needs a longer run (raise GRPO_STEPS and GRPO_PROMPTS).
+# SmolLM2-135M-Instruct made better at addition on this machine, end to end: set-up, the model as a Hugging Face
+# folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
+# the base, SFT and GRPO models evaluated on the held-out test split, side by side, with GRPO's gain over SFT on
+# the same problems. About 18 minutes on 2 CPU cores (docs/results.md has the sizes' results on three seeds).
 #   bash scripts/quickstart.sh
-# Sizes are environment variables, for longer runs: WORK (where it writes; runs/quickstart), SFT_STEPS (16),
-# GRPO_STEPS (8), GRPO_PROMPTS (prompts per step, 4), GRPO_LR (2e-6), TEST_ROWS (100), NPROC (2), and GRPO_ARGS:
-# more overrides for the GRPO trainer (docs/results.md's run adds dynamic sampling there).
+# Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
+# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (24), GRPO_STEPS (30), GRPO_PROMPTS (prompts per step, 16),
+# GRPO_LR (5e-6), TEST_ROWS (300), NPROC (2), DTYPE (the compute dtype of both trainers, bf16: twice fp32's speed
+# on a CPU with AVX512-BF16 or AMX; fp32 elsewhere), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes share the cores (evaluation: one process, every core)
-WORK=${WORK:-runs/quickstart} SFT_STEPS=${SFT_STEPS:-16} GRPO_STEPS=${GRPO_STEPS:-8} GRPO_PROMPTS=${GRPO_PROMPTS:-4}
-GRPO_LR=${GRPO_LR:-2e-6}
-TEST_ROWS=${TEST_ROWS:-100} NPROC=${NPROC:-2}
+WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-24}
+GRPO_STEPS=${GRPO_STEPS:-30} GRPO_PROMPTS=${GRPO_PROMPTS:-16} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-300}
+NPROC=${NPROC:-2} DTYPE=${DTYPE:-bf16}
 bash scripts/setup.sh smollm2
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
-python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 32 --test "$TEST_ROWS" --seed 0
+python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 300 --test "$TEST_ROWS" --seed "$SEED" --operations "$OPERATIONS"
 rm -rf "$WORK/sft" "$WORK/grpo" "$WORK/eval"
 
 echo "== SFT: $SFT_STEPS steps of 16 chats"
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.sft_trainer \
     data.train_files="$WORK/data/sft_train.parquet" data.val_files="$WORK/data/sft_val.parquet" \
     data.multiturn.enable=true data.max_length=256 data.train_batch_size=16 \
-    model.partial_pretrain="$WORK/smollm2" optim.lr=5e-5 optim.lr_warmup_steps_ratio=0.1 \
+    model.partial_pretrain="$WORK/smollm2" model.enable_gradient_checkpointing=false \
+    model.fsdp_config.mixed_precision.param_dtype="$DTYPE" optim.lr=5e-5 optim.lr_warmup_steps_ratio=0.1 \
     trainer.total_training_steps="$SFT_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/sft" trainer.checkpoint.save_contents='[hf_model]'
 SFT_MODEL="$WORK/sft/global_step_$SFT_STEPS/huggingface"
@@ -31,11 +32,12 @@ SFT_MODEL="$WORK/sft/global_step_$SFT_STEPS/huggingface"
 echo "== GRPO from the SFT model: $GRPO_STEPS steps of $GRPO_PROMPTS prompts x 8 responses"
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     data.train_files="$WORK/data/rl_train.parquet" data.val_files="$WORK/data/rl_val.parquet" \
-    data.max_prompt_length=128 data.max_response_length=32 data.train_batch_size="$GRPO_PROMPTS" \
+    data.max_prompt_length=128 data.max_response_length=24 data.train_batch_size="$GRPO_PROMPTS" \
     actor_rollout_ref.model.path="$SFT_MODEL" actor_rollout_ref.model.enable_gradient_checkpointing=false \
+    actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
     actor_rollout_ref.actor.optim.lr="$GRPO_LR" actor_rollout_ref.actor.ppo_mini_batch_size="$GRPO_PROMPTS" \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.n=8 \
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 \
     trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \
     ${GRPO_ARGS:-}
@@ -45,7 +47,7 @@ echo "== Evaluation on $TEST_ROWS held-out problems (greedy)"
 mkdir -p "$WORK/eval"
 declare -A MODELS=([base]="$WORK/smollm2" [sft]="$SFT_MODEL" [grpo]="$GRPO_MODEL")
 for name in base sft grpo; do
-    OMP_NUM_THREADS=$(nproc) python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --max-new-tokens 32 --batch-size 50 \
+    OMP_NUM_THREADS=$(nproc) python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --max-new-tokens 32 --batch-size 100 \
         --out "$WORK/eval/$name.jsonl" --summary "$WORK/eval/$name.json" > /dev/null
 done
 python scripts/show_result.py "$WORK"

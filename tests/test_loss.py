@@ -132,6 +132,13 @@ def test_chunked_log_probs_and_entropy_equal_full_logits(chunk, temperature):
     direct_lp_grads = torch.autograd.grad((direct[0] * upstream_lp).sum(), (hidden, weight))
     for a, b in zip(lp_grads, direct_lp_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+    # one output in the loss, the other kept as a metric (its backward skipped): the same gradients
+    log_probs, entropy = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, with_entropy=True)
+    for a, b in zip(torch.autograd.grad((log_probs * upstream_lp).sum(), (hidden, weight), retain_graph=True), direct_lp_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+    direct_ent_grads = torch.autograd.grad((_direct_log_probs(hidden, weight, targets, temperature)[1] * upstream_ent).sum(), (hidden, weight))
+    for a, b in zip(torch.autograd.grad((entropy * upstream_ent).sum(), (hidden, weight)), direct_ent_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -107,6 +107,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 entropy[rows] = -(log_softmax.exp() * log_softmax).sum(dim=1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.set_materialize_grads(False)  # an output outside the loss (the entropy as a metric) costs no backward work
         return log_probs, entropy
 
     @staticmethod
@@ -116,6 +117,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         hidden_grad = torch.zeros_like(hidden) if grad_hidden else None
         weight_grad = torch.zeros_like(weight) if grad_weight else None
         with_entropy = entropy_grad is not None and entropy_grad.numel() > 0
+        if log_probs_grad is None:
+            log_probs_grad = torch.zeros(len(targets), dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(ctx.chunk_tokens):
             h, y, g = hidden[rows], targets[rows], log_probs_grad[rows, None]
             log_softmax = _chunk_log_softmax(h, weight, ctx.temperature)

@@ -145,7 +145,9 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         if "rollout_is_weight" in targets:
             pg = pg * targets["rollout_is_weight"]
         per_token = partial(aggregate, mask=mask, sequence_tokens=targets["sequence_tokens"])
-        loss = per_token(pg) - loss_settings.entropy_coeff * per_token(entropy)
+        loss = per_token(pg)
+        if loss_settings.entropy_coeff != 0:  # else the entropy is only a metric, and its backward is skipped
+            loss = loss - loss_settings.entropy_coeff * per_token(entropy)
         if loss_settings.kl_coef is not None:
             kl = core_algos.kl_penalty(log_probs, targets["ref_log_prob"], loss_settings.kl_type)
             loss = loss + loss_settings.kl_coef * per_token(kl)

@@ -1,7 +1,7 @@
 """Rollouts with transformers' `generate`, on every rank, from a plain (unsharded) copy of the policy that the
 trainer refreshes after each update. Runs wherever transformers runs."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,24 +15,41 @@ def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
     return sorted(eos if isinstance(eos, list) else [eos] if eos is not None else [fallback])
 
 
+def group_batches(prompts: Sequence[list[int]], n: int, batch_size: int) -> Iterator[tuple[Sequence[list[int]], int]]:
+    """(prompts, copies of each) batches of at most `batch_size` sequences (or `n` where n > batch_size) in the order
+    of n responses to each prompt in a row: whole groups together, so that each prompt is prefilled once."""
+    per_batch, copies = max(1, batch_size // n), min(n, batch_size)
+    for first in range(0, len(prompts), per_batch):
+        for done in range(0, n, copies):
+            yield prompts[first : first + per_batch], min(copies, n - done)
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
     pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, do_sample: bool = True,
     calculate_log_probs: bool = False,
 ) -> list[Generation]:
-    """`n` responses to each prompt (n in a row), in left-padded batches of `batch_size` sequences. The sampling
-    log-probs need transformers to keep every step's (batch x vocab) scores, so they are computed only when asked."""
+    """`n` responses to each prompt (n in a row), in left-padded batches. Each distinct prompt of a batch is
+    prefilled once and its key/value cache copied to its responses: on a CPU, prefilling n copies of a prompt costs
+    more than decoding the answers. The sampling log-probs need transformers to keep every step's (batch x vocab)
+    scores, so they are computed only when asked."""
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k, 0)) if do_sample else dict(do_sample=False)
-    jobs = [ids for ids in prompts for _ in range(n)]
     generations = []
-    for first in range(0, len(jobs), batch_size):
-        batch = jobs[first : first + batch_size]
-        width = max(map(len, batch))
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=model.device)
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                                eos_token_id=end_ids, output_scores=calculate_log_probs, return_dict_in_generate=True, **sampling)
+    for distinct, copies in group_batches(prompts, n, batch_size):
+        width = max(map(len, distinct))
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in distinct], device=model.device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in distinct], device=model.device)
+        cache = None
+        if width > 1:  # all but the last prompt token; generate() runs that one and decodes from there
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            cache = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=positions[:, :-1],
+                          use_cache=True, logits_to_keep=1).past_key_values
+            cache.batch_repeat_interleave(copies)
+        batch = [ids for ids in distinct for _ in range(copies)]
+        output = model.generate(input_ids=input_ids.repeat_interleave(copies, 0), attention_mask=attention_mask.repeat_interleave(copies, 0),
+                                past_key_values=cache, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=end_ids,
+                                output_scores=calculate_log_probs, return_dict_in_generate=True, **sampling)
         tokens = output.sequences[:, width:]
         log_probs = None
         if calculate_log_probs:
@@ -50,7 +67,9 @@ class HFRollout:
     """The policy's rollout engine: a plain copy of the model on this rank's device, in `dtype`."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False):
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        # A CPU's fused attention kernel is slow for the one-token queries of decoding; plain matmuls beat it there
+        attention = "eager" if device.type == "cpu" else "sdpa"
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
         self.group = None  # every rank runs its own copy
