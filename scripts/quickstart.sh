@@ -30,8 +30,9 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.sft_trainer \
 SFT_MODEL="$WORK/sft/global_step_$SFT_STEPS/huggingface"
 
 echo "== GRPO from the SFT model: $GRPO_STEPS steps of $GRPO_PROMPTS prompts x 8 responses"
+# no validation files: the 300 validation problems are what these sizes were tuned on, and the evaluation below scores the test split
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
-    data.train_files="$WORK/data/rl_train.parquet" data.val_files="$WORK/data/rl_val.parquet" \
+    data.train_files="$WORK/data/rl_train.parquet" \
     data.max_prompt_length=128 data.max_response_length=24 data.train_batch_size="$GRPO_PROMPTS" \
     actor_rollout_ref.model.path="$SFT_MODEL" actor_rollout_ref.model.enable_gradient_checkpointing=false \
     actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
