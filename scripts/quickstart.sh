@@ -10,7 +10,7 @@
 # on a CPU with AVX512-BF16 or AMX; fp32 elsewhere), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes share the cores (evaluation: one process, every core)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the three evaluations) share the cores
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-24}
 GRPO_STEPS=${GRPO_STEPS:-30} GRPO_PROMPTS=${GRPO_PROMPTS:-16} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-300}
 NPROC=${NPROC:-2} DTYPE=${DTYPE:-bf16}
@@ -47,8 +47,11 @@ GRPO_MODEL="$WORK/grpo/global_step_$GRPO_STEPS/huggingface"
 echo "== Evaluation on $TEST_ROWS held-out problems (greedy)"
 mkdir -p "$WORK/eval"
 declare -A MODELS=([base]="$WORK/smollm2" [sft]="$SFT_MODEL" [grpo]="$GRPO_MODEL")
-for name in base sft grpo; do
-    OMP_NUM_THREADS=$(nproc) python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --max-new-tokens 32 --batch-size 100 \
-        --out "$WORK/eval/$name.jsonl" --summary "$WORK/eval/$name.json" > /dev/null
+pids=()
+for name in base sft grpo; do  # side by side, a thread each: decoding does not speed up with a second thread
+    python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --max-new-tokens 32 --batch-size 100 \
+        --out "$WORK/eval/$name.jsonl" --summary "$WORK/eval/$name.json" > /dev/null &
+    pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid"; done
 python scripts/show_result.py "$WORK"
