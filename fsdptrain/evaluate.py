@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import gather_lists
+from fsdptrain.dtypes import DTYPES, compute_dtype
 from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings
 from fsdptrain.rl.agent.tools import load_tools, tool_schemas
 from fsdptrain.rl.data import Prompt, load_prompts
@@ -87,17 +88,17 @@ def validate_on_ranks(engine: RolloutEngine, prompts: Sequence[Prompt], reward_f
     return metrics
 
 
-def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBase, max_model_len: int, seed: int) -> RolloutEngine:
-    """One process's engine: transformers' generate, or vLLM (`backend`), on the GPU where there is one."""
+def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBase, max_model_len: int, seed: int, device: torch.device,
+                 dtype: torch.dtype) -> RolloutEngine:
+    """One process's engine on `device`: transformers' generate, or vLLM (`backend`)."""
     if backend == "vllm":
         from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
 
         settings = EngineSettings(gpu_memory_utilization=0.5 if torch.cuda.is_available() else 0.1, max_num_seqs=256, max_num_batched_tokens=8192,
                                   enable_chunked_prefill=True, enforce_eager=True, free_cache_engine=False, load_format="auto")
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         return VLLMRollout(model_dir, dtype, max_model_len, seed, settings, distributed=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFRollout(model_dir, torch.device("cuda" if torch.cuda.is_available() else "cpu"), "auto", pad)
+    return HFRollout(model_dir, device, dtype, pad)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="the model's compute dtype (default: bf16 on a GPU, fp32 on CPU)")
     parser.add_argument("--out", help="JSONL of every prompt, response and score")
     parser.add_argument("--summary", help="JSON of the per-data_source figures printed in the table")
     parser.add_argument("--tool-config", help="verl's tool YAML: answer over several turns with these tools")
@@ -136,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     template_kwargs = yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {}
     tools = load_tools(args.tool_config, "--tool-config") if args.tool_config else {}
     prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools))
-    engine = build_engine(args.backend, args.model_dir, tokenizer, max(len(p.ids) for p in prompts) + args.max_new_tokens, args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    engine = build_engine(args.backend, args.model_dir, tokenizer, max(len(p.ids) for p in prompts) + args.max_new_tokens, args.seed,
+                          device, compute_dtype(args.dtype, device))
     agent = None
     if tools:
         settings = MultiTurnSettings(args.max_turns, max_user_turns=None, max_parallel_calls=1, max_tool_response_length=256,

@@ -1,6 +1,6 @@
 """Verifiable arithmetic tasks as SFT and RL parquet files, or a GSM8K-style file converted to both layouts.
 
-    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--seed 0] [--operations plus,minus,times]
+    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--seed 0] [--operations plus,minus,times] [--system TEXT]
     python scripts/make_arithmetic_data.py OUT_DIR --from-gsm8k train.parquet [test.parquet ...]
 
 Tasks mix addition, subtraction and multiplication of 1- to 3-digit numbers (or those of --operations), with the
@@ -8,7 +8,8 @@ answer after `####`.
 Writes, for each split (train, val, test; or each GSM8K file by its name):
 - sft_{split}.parquet: a `messages` column (user question, assistant worked answer ending `#### n`);
 - rl_{split}.parquet: verl's layout (`prompt`, `data_source`, `reward_model` {ground_truth, style}, `extra_info`).
-No question appears in two splits. GSM8K-style input has `question` and `answer` columns, the answer ending
+No question appears in two splits. With --system every chat starts with that system message (an empty one
+replaces a chat template's default, SmolLM2's 16 tokens, which every prefill, update and evaluation pays for). GSM8K-style input has `question` and `answer` columns, the answer ending
 `#### n`; its data_source is openai/gsm8k, so the built-in strict `####` reward scores it.
 """
 
@@ -33,16 +34,19 @@ def arithmetic_task(rng: random.Random, operations: list[str]) -> tuple[str, str
     return f"What is {a} {name} {b}?", f"{a} {symbol} {b} = {result}.\n#### {result}", result
 
 
-def layouts(question: str, answer: str, ground_truth: str, data_source: str, split: str, index: int) -> tuple[list, dict]:
-    user = {"role": "user", "content": f"{question} {INSTRUCTION}"}
-    messages = [user, {"role": "assistant", "content": answer}]
-    rl = {"prompt": [user], "data_source": data_source, "reward_model": {"ground_truth": ground_truth, "style": "rule"},
+def layouts(question: str, answer: str, ground_truth: str, data_source: str, split: str, index: int, system: str | None
+            ) -> tuple[list, dict]:
+    prompt = [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
+    if system is not None:
+        prompt.insert(0, {"role": "system", "content": system})
+    messages = prompt + [{"role": "assistant", "content": answer}]
+    rl = {"prompt": prompt, "data_source": data_source, "reward_model": {"ground_truth": ground_truth, "style": "rule"},
           "extra_info": {"split": split, "index": index}}
     return messages, rl
 
 
-def write_split(out: str, split: str, rows: list[tuple[str, str, str]], data_source: str) -> None:
-    made = [layouts(q, a, truth, data_source, split, i) for i, (q, a, truth) in enumerate(rows)]
+def write_split(out: str, split: str, rows: list[tuple[str, str, str]], data_source: str, system: str | None) -> None:
+    made = [layouts(q, a, truth, data_source, split, i, system) for i, (q, a, truth) in enumerate(rows)]
     pq.write_table(pa.table({"messages": [m for m, _ in made]}), os.path.join(out, f"sft_{split}.parquet"))
     pq.write_table(pa.Table.from_pylist([rl for _, rl in made]), os.path.join(out, f"rl_{split}.parquet"))
 
@@ -81,6 +85,7 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--operations", default="plus,minus,times", help="comma-separated, of: " + ", ".join(OPERATIONS))
+    parser.add_argument("--system", help="a system message starting every chat (default: none, the chat template's own)")
     parser.add_argument("--from-gsm8k", nargs="+", metavar="FILE", help="convert GSM8K-style files instead of generating tasks")
     args = parser.parse_args()
     operations = args.operations.split(",")
@@ -91,10 +96,10 @@ def main() -> None:
     if args.from_gsm8k:
         for path in args.from_gsm8k:
             split = os.path.splitext(os.path.basename(path))[0]
-            write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k")
+            write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k", args.system)
     else:
         for split, rows in arithmetic_splits({"train": args.train, "val": args.val, "test": args.test}, args.seed, operations).items():
-            write_split(args.out, split, rows, "arithmetic")
+            write_split(args.out, split, rows, "arithmetic", args.system)
     print(f"wrote sft_*.parquet and rl_*.parquet under {args.out}")
 
 

@@ -1,5 +1,5 @@
-"""The quickstart's report: the SFT and GRPO runs in a few lines each, then held-out accuracy of the base, SFT
-and GRPO models side by side, and where everything is.
+"""The quickstart's report: the SFT and GRPO runs in a few lines each, then held-out accuracy of the SFT and GRPO
+models side by side, and where everything is.
 
     python scripts/show_result.py WORK_DIR
 """
@@ -43,7 +43,7 @@ def main() -> None:
         print(f"{'':<18} {m['step']:>5}  {m['critic/score/mean']:>5.3f}  {m['response_length/mean']:>15.1f}  {m['frac_reward_zero_std']:>18.2f}")
     print("\nHeld-out test split, greedy: accuracy ± standard error")
     print(f"{'model':<8} {'data_source':<14} {'n':>5} {'acc':>7} {'± se':>7} {'length':>7}")
-    for name in ("base", "sft", "grpo"):
+    for name in ("sft", "grpo"):
         with open(os.path.join(work, "eval", f"{name}.json")) as f:
             for source, s in json.load(f).items():
                 print(f"{name:<8} {source:<14} {s['n']:>5} {s['acc']:>7.3f} {s['acc_se']:>7.3f} {s['response_length']:>7.1f}")

@@ -109,6 +109,21 @@ def test_arithmetic_splits_share_no_question_and_their_answers_are_right(arithme
                                                            return_dict=True)["input_ids"]
 
 
+def test_a_system_message_replaces_the_templates_default(tmp_path, tokenizer):
+    """With --system every chat, prompt and SFT transcript alike, starts with that message; an empty one renders
+    in place of the chat template's default system prompt, so the prompts are shorter."""
+    subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(tmp_path), "--train", "8", "--val", "2", "--test", "3",
+                    "--system", ""], cwd=REPO, check=True, capture_output=True)
+    rows = pq.read_table(tmp_path / "rl_test.parquet").to_pylist()
+    sft = pq.read_table(tmp_path / "sft_test.parquet").column("messages").to_pylist()
+    for row, messages in zip(rows, sft):
+        assert row["prompt"][0] == {"role": "system", "content": ""} and row["prompt"][1]["role"] == "user"
+        assert messages[:2] == row["prompt"] and messages[2]["role"] == "assistant"
+    with_default = tokenizer.apply_chat_template(rows[0]["prompt"][1:], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    assert len(rendered) < len(with_default) and rendered.endswith(with_default[with_default.index(rows[0]["prompt"][1]["content"]):])
+
+
 def test_gsm8k_files_convert_to_both_layouts(tmp_path, tokenizer):
     source = tmp_path / "gsm_test.parquet"
     pq.write_table(pa.table({"question": ["Tom has 3 apples and buys 4. How many?"],
@@ -164,6 +179,16 @@ def test_evaluate_equals_generation_and_scoring_done_here(tmp_path, tiny_llama, 
     assert figures["acc"] == pytest.approx(accuracy) and figures["n"] == len(records)
     assert figures["acc_se"] == pytest.approx(math.sqrt(accuracy * (1 - accuracy) / len(records)))
     assert "arithmetic" in result.stdout and "± se" in result.stdout
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16", "fp32"])
+def test_evaluate_computes_in_the_dtype_asked(tiny_llama, tokenizer, dtype):
+    from fsdptrain.dtypes import compute_dtype
+    from fsdptrain.evaluate import build_engine
+
+    cpu = torch.device("cpu")
+    engine = build_engine("hf", tiny_llama, tokenizer, 64, 0, cpu, compute_dtype(dtype, cpu))
+    assert engine.model.dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
 def test_responses_are_scored_against_their_own_prompt(arithmetic, tokenizer):
