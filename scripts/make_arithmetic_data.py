@@ -8,9 +8,10 @@ answer after `####`.
 Writes, for each split (train, val, test; or each GSM8K file by its name):
 - sft_{split}.parquet: a `messages` column (user question, assistant worked answer ending `#### n`);
 - rl_{split}.parquet: verl's layout (`prompt`, `data_source`, `reward_model` {ground_truth, style}, `extra_info`).
-No question appears in two splits. With --system every chat starts with that system message (an empty one
-replaces a chat template's default, SmolLM2's 16 tokens, which every prefill, update and evaluation pays for). GSM8K-style input has `question` and `answer` columns, the answer ending
+No question appears in two splits. GSM8K-style input has `question` and `answer` columns, the answer ending
 `#### n`; its data_source is openai/gsm8k, so the built-in strict `####` reward scores it.
+With --system every chat starts with that system message: an empty one replaces a chat template's default
+(SmolLM2's is 16 tokens, paid in every prefill, update and evaluation).
 """
 
 import argparse
