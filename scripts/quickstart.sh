@@ -10,7 +10,7 @@
 # twice fp32's speed on a CPU with AVX512-BF16 or AMX; fp32 elsewhere), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the three evaluations) share the cores
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
 GRPO_STEPS=${GRPO_STEPS:-30} GRPO_PROMPTS=${GRPO_PROMPTS:-16} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-600}
 NPROC=${NPROC:-2} DTYPE=${DTYPE:-bf16}
