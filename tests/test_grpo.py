@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from checks.common import relative_gap
 from conftest import REPO, read_metrics, save_tiny_model, torchrun
@@ -202,6 +203,32 @@ def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, tiny_llama,
     (metrics,) = read_metrics(out)
     assert metrics["response_length/clip_ratio"] == 1.0
     assert metrics["actor/grad_norm"] == 0.0 and metrics["actor/pg_loss"] == 0.0
+
+
+def test_responses_without_advantage_are_skipped_with_the_same_update(tmp_path, tiny_llama, rl_data):
+    """actor.skip_zero_advantage through the CLI: a reward that is 0 for every response of an odd answer's prompt,
+    so those groups have no advantage. One step with and without skipping: the same gradient norm and the same
+    weights after it; the engine's log-probs are compared with those of the responses the update forwarded."""
+    reward = rl_data / "even_reward.py"
+    reward.write_text(REWARD.replace("def compute_score", "def share_of_e") + """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return share_of_e(data_source, solution_str, ground_truth)["score"] * (int(ground_truth) % 2 == 0)
+""")
+    runs = {}
+    for skip in ("false", "true"):
+        out = str(tmp_path / skip)
+        torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, data__val_files="null",
+                                                        custom_reward_function__path=str(reward), actor_rollout_ref__actor__skip_zero_advantage=skip,
+                                                        actor_rollout_ref__rollout__calculate_log_probs="true",
+                                                        trainer__checkpoint__save_contents="[hf_model]"))
+        (metrics,) = read_metrics(out)
+        runs[skip] = metrics, load_file(os.path.join(out, "global_step_1", "huggingface", "model.safetensors"))
+    (every, weights), (skipped, skipped_weights) = runs["false"], runs["true"]
+    assert 0 < every["frac_reward_zero_std"] < 1, every["frac_reward_zero_std"]
+    assert skipped["actor/grad_norm"] == pytest.approx(every["actor/grad_norm"], rel=1e-5)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(skipped_weights[name], tensor, rtol=0, atol=1e-6)
+    assert skipped["training/rollout_probs_diff_mean"] < 1e-5
 
 
 @pytest.mark.slow

@@ -97,6 +97,7 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int
     fsdp_config: FSDPConfig
     mask_truncated_completions: bool
+    skip_zero_advantage: bool
 
 
 def validate_actor(actor: ActorConfig, packed: bool) -> None:
@@ -111,6 +112,9 @@ def validate_actor(actor: ActorConfig, packed: bool) -> None:
     one_of(f"{ACTOR}.kl_loss_type", actor.kl_loss_type.rstrip("+"), KL_ESTIMATORS)
     validate_sequence_parallel(actor.ulysses_sequence_parallel_size, packed, f"{ACTOR}.ulysses_sequence_parallel_size",
                                "actor_rollout_ref.model.use_remove_padding")
+    if actor.skip_zero_advantage and (actor.entropy_coeff != 0 or actor.use_kl_loss):
+        raise ConfigError(f"{ACTOR}.skip_zero_advantage=true needs {ACTOR}.entropy_coeff=0 and {ACTOR}.use_kl_loss=false (got "
+                          f"{actor.entropy_coeff} and {str(actor.use_kl_loss).lower()}): those terms train a response whatever its advantage")
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
         warnings.warn(f"GSPO is defined with loss_agg_mode=seq-mean-token-mean; got {actor.loss_agg_mode}", stacklevel=3)
 

@@ -39,14 +39,13 @@ def plan_micro_batches(samples: Sequence[Sample], batching: MicroBatching, paral
 
     FSDP needs the same number of forward passes on every rank, so the count is agreed across the world.
     """
-    if not samples:
-        local: list[list[Sample]] = []
-    elif batching.dynamic:
-        lengths = [len(s) for s in samples]
-        parts = torch.tensor(min_token_micro_batches(lengths, batching.max_tokens))
+    local: list[list[Sample]] = []
+    if batching.dynamic:  # every rank joins the agreement on the part count, one without samples too
+        parts = torch.tensor(min_token_micro_batches([len(s) for s in samples], batching.max_tokens) if samples else 0)
         dist.all_reduce(parts, op=dist.ReduceOp.MAX)
-        local = split_by_tokens(samples, min(int(parts), len(samples)))
-    else:
+        if samples:
+            local = split_by_tokens(samples, min(int(parts), len(samples)))
+    elif samples:
         local = split_by_count(samples, batching.size)
     count = torch.tensor(len(local))
     dist.all_reduce(count, op=dist.ReduceOp.MAX)

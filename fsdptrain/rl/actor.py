@@ -50,6 +50,7 @@ class LossSettings:
     kl_type: str
     loss_scale_factor: float | None
     max_response_length: int
+    skip_zero_advantage: bool  # only where no term but the policy loss trains a response
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,12 @@ def store_token_values(per_position: torch.Tensor, micro_batch: list[Sample] | N
         start += len(sample)
 
 
+def has_advantage(sample: Sample) -> bool:
+    """Whether any trained token of the sample has a nonzero advantage: every policy loss is the advantage times a
+    function of the ratio, so a sample without one adds nothing to that loss's gradient."""
+    return bool((sample.token_values["advantage"][1:] * sample.loss_mask[1:]).any())
+
+
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor], num_sequences: int,
                   parallel: Parallel) -> torch.Tensor:
     """On each token, the mean of `values` over its sequence's response tokens, summed over the Ulysses slices
@@ -122,13 +129,17 @@ def mini_batch_aggregation(mini: list[Sample], agg_mode: str, loss_scale_factor:
 def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBatching, forward: ForwardSettings, loss_settings: LossSettings,
                         parallel: Parallel, first_pass_is_old: bool) -> dict[str, float]:
     """Gradients of one mini-batch's loss (this rank's samples of it), accumulated into the parameters; without
-    old log-probs on the samples (`first_pass_is_old`) the forward's own are the old policy's. Returns this rank's
-    sums of the per-token metrics and its token count."""
+    old log-probs on the samples (`first_pass_is_old`) the forward's own are the old policy's (kept for the
+    forwarded samples only, with loss_settings.skip_zero_advantage). Returns this rank's sums of the per-token
+    metrics and its token count."""
     aggregate = mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor, loss_settings.max_response_length,
                                        parallel)
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini)) + 1
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
-    micro_batches = plan_micro_batches(mini, batching, parallel)
+    trained = [s for s in mini if has_advantage(s)] if loss_settings.skip_zero_advantage else mini
+    # the loss's counts stay the whole mini-batch's; where nothing is left on any rank, one empty pass still gives
+    # the optimizer zero gradients to step on (AdamW's momentum and decay), as without skipping
+    micro_batches = plan_micro_batches(trained, batching, parallel) or [None]
     for micro_batch, batch in forward_batches(micro_batches, mini[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
         targets = {k: v.flatten() for k, v in batch.targets.items()}
         mask = (targets["labels"] != IGNORE_INDEX).float() * (0.0 if micro_batch is None else 1.0)

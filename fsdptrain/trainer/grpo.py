@@ -131,8 +131,10 @@ class GRPOStep:
         if timer.step > config.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.actor.update(samples, first_pass_is_old=self.one_pass))
-            if self.agreement and self.one_pass:  # the old log-probs came from the update's forward
-                metrics.update(rollout_agreement(samples, generations, correction.rollout_is, correction.rollout_is_threshold, parallel))
+            if self.agreement and self.one_pass:  # the old log-probs came from the update's forward, of the samples it forwarded
+                forwarded = [i for i, sample in enumerate(samples) if "old_log_prob" in sample.token_values]
+                metrics.update(rollout_agreement([samples[i] for i in forwarded], [generations[i] for i in forwarded], correction.rollout_is,
+                                                 correction.rollout_is_threshold, parallel))
             with timer("update_weights"):
                 self.sync_weights()
         response_advantages = [float(a[g.mask > 0].mean()) for a, g in zip(advantages, generations)]
@@ -297,7 +299,7 @@ def loss_settings(config: GRPOConfig) -> LossSettings:
                         actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
                         actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.loss_scale_factor,
-                        config.data.max_response_length)
+                        config.data.max_response_length, actor.skip_zero_advantage)
 
 
 def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer) -> list[BatchSource]:

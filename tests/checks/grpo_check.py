@@ -21,7 +21,7 @@ from fsdptrain.rl.actor import compute_log_probs, mini_batch_backward
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
 from fsdptrain.trainer.grpo import forward_settings, loss_settings
 from fsdptrain.trainer.setup import build_sharded_model, start_run
-from tests.checks.common import two_groups
+from tests.checks.common import relative_gap, two_groups
 
 
 def main() -> None:
@@ -66,6 +66,29 @@ def main() -> None:
         gradients[f"{loss_mode} {agg_mode}"] = {
             name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()
         }
+
+    # Samples without advantage skipped (skip_zero_advantage): the same gradient. The odd sequences have none, so
+    # that under dp 2 one rank forwards nothing of its own; with none left anywhere, the gradients are zeros.
+    def gradient(*overrides):
+        variant = config(*overrides)
+        model.zero_grad(set_to_none=True)
+        mini_batch_backward(model, mine, variant.update_batching, forward_settings(variant, pad_id=0), loss_settings(variant), parallel,
+                            first_pass_is_old=False)
+        return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()}
+
+    advantages = [sample.token_values["advantage"].clone() for sample in mine]
+    for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
+        sample.token_values["advantage"] *= index % 2 == 0
+    for loss_mode, agg_mode in (("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")):
+        modes = (f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}")
+        every = gradient(*modes)
+        skipped = gradient(*modes, "actor_rollout_ref.actor.skip_zero_advantage=true")
+        assert relative_gap(skipped, every) < 5e-6, (loss_mode, relative_gap(skipped, every))
+    for sample in mine:
+        sample.token_values["advantage"].zero_()
+    assert all(float(grad.abs().max()) == 0 for grad in gradient("actor_rollout_ref.actor.skip_zero_advantage=true").values())
+    for sample, advantage in zip(mine, advantages):
+        sample.token_values["advantage"] = advantage
 
     # One mini-batch, one epoch: the update's own forward is the old policy, and it keeps those log-probs for the
     # engine's agreement metrics (Ulysses slices joined); they are the separate pass's, whatever the layout.
