@@ -4,37 +4,33 @@
 # quickstart's work directory (its SFT model and data); evaluates the PPO model on the same held-out problems and
 # prints its gain over the SFT model with the paired standard error.
 #   bash scripts/quickstart.sh && bash scripts/ppo_arithmetic.sh
-# Sizes are environment variables: WORK (the quickstart's; runs/quickstart), PPO_STEPS (40), PPO_PROMPTS (64 a
-# step), ACTOR_LR (5e-6), CRITIC_LR (2e-5), CRITIC_WARMUP (3), NPROC (2), DTYPE (bf16, as the quickstart's: the
-# trainers' compute dtype and the evaluation's, so that the PPO and SFT models are scored alike), and PPO_ARGS:
-# more overrides.
+# Sizes are environment variables: WORK (the quickstart's; runs/quickstart), PPO_STEPS (20), PPO_PROMPTS (32 a
+# step), ACTOR_LR (3e-6), CRITIC_LR (5e-5), CRITIC_WARMUP (2), NPROC (2), and PPO_ARGS: more overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-WORK=${WORK:-runs/quickstart} PPO_STEPS=${PPO_STEPS:-40} PPO_PROMPTS=${PPO_PROMPTS:-64} ACTOR_LR=${ACTOR_LR:-5e-6}
-CRITIC_LR=${CRITIC_LR:-2e-5} CRITIC_WARMUP=${CRITIC_WARMUP:-3} NPROC=${NPROC:-2} DTYPE=${DTYPE:-bf16}
+WORK=${WORK:-runs/quickstart} PPO_STEPS=${PPO_STEPS:-20} PPO_PROMPTS=${PPO_PROMPTS:-32} ACTOR_LR=${ACTOR_LR:-3e-6}
+CRITIC_LR=${CRITIC_LR:-5e-5} CRITIC_WARMUP=${CRITIC_WARMUP:-2} NPROC=${NPROC:-2}
 SFT_MODEL=$(ls -d "$WORK"/sft/global_step_*/huggingface | sort -V | tail -1)
 [ -f "$WORK/eval/sft.jsonl" ] || { echo "run scripts/quickstart.sh first (no $WORK/eval/sft.jsonl)"; exit 1; }
 rm -rf "$WORK/ppo"
 
 echo "== PPO from $SFT_MODEL: $PPO_STEPS steps of $PPO_PROMPTS prompts x 1 response, the critic warmed up for $CRITIC_WARMUP"
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
-    data.train_files="$WORK/data/rl_train.parquet" data.max_prompt_length=128 data.max_response_length=24 \
+    data.train_files="$WORK/data/rl_train.parquet" data.max_prompt_length=128 data.max_response_length=32 \
     data.train_batch_size="$PPO_PROMPTS" algorithm.adv_estimator=gae \
     actor_rollout_ref.model.path="$SFT_MODEL" actor_rollout_ref.model.enable_gradient_checkpointing=false \
-    actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
     actor_rollout_ref.actor.optim.lr="$ACTOR_LR" actor_rollout_ref.actor.ppo_mini_batch_size=$((PPO_PROMPTS / 2)) \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.n=1 \
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((PPO_PROMPTS / NPROC)) \
-    critic.optim.lr="$CRITIC_LR" critic.model.enable_gradient_checkpointing=false critic.ppo_micro_batch_size_per_gpu=32 \
-    critic.model.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.n=1 \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 \
+    critic.optim.lr="$CRITIC_LR" critic.model.enable_gradient_checkpointing=false critic.ppo_micro_batch_size_per_gpu=16 \
     trainer.critic_warmup="$CRITIC_WARMUP" trainer.total_training_steps="$PPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/ppo" trainer.checkpoint.save_contents='[hf_model]' \
     ${PPO_ARGS:-}
 
 echo "== Evaluation on the held-out problems (greedy)"
 OMP_NUM_THREADS=$(nproc) python -m fsdptrain.evaluate "$WORK/ppo/global_step_$PPO_STEPS/huggingface" "$WORK/data/rl_test.parquet" \
-    --max-new-tokens 32 --batch-size 100 --dtype "$DTYPE" --out "$WORK/eval/ppo.jsonl" --summary "$WORK/eval/ppo.json" > /dev/null
+    --max-new-tokens 32 --batch-size 50 --out "$WORK/eval/ppo.jsonl" --summary "$WORK/eval/ppo.json" > /dev/null
 python - "$WORK" <<'EOF'
 import json, os, sys
 sys.path.insert(0, "scripts")
