@@ -56,26 +56,22 @@ def main() -> None:
         noise = torch.randn(len(sample), generator=torch.Generator().manual_seed(100 + index)) * 0.3  # ratios on both sides of the clip
         sample.token_values["old_log_prob"] += noise * sample.loss_mask
 
-    gradients = {}
-    for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES):
-        variant = config(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}",
-                         "actor_rollout_ref.actor.entropy_coeff=0.01")
-        model.zero_grad(set_to_none=True)
-        mini_batch_backward(model, mine, variant.update_batching, forward_settings(variant, pad_id=0), loss_settings(variant), parallel,
-                            first_pass_is_old=False)
-        gradients[f"{loss_mode} {agg_mode}"] = {
-            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()
-        }
-
-    # Samples without advantage skipped (skip_zero_advantage): the same gradient. The odd sequences have none, so
-    # that under dp 2 one rank forwards nothing of its own; with none left anywhere, the gradients are zeros.
     def gradient(*overrides):
+        """The whole gradient of one mini-batch of `mine` under the config with `overrides`."""
         variant = config(*overrides)
         model.zero_grad(set_to_none=True)
         mini_batch_backward(model, mine, variant.update_batching, forward_settings(variant, pad_id=0), loss_settings(variant), parallel,
                             first_pass_is_old=False)
         return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()}
 
+    gradients = {
+        f"{loss_mode} {agg_mode}": gradient(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+                                            f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}", "actor_rollout_ref.actor.entropy_coeff=0.01")
+        for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES)
+    }
+
+    # Samples without advantage skipped (skip_zero_advantage): the same gradient. The odd sequences have none, so
+    # that under dp 2 one rank forwards nothing of its own; with none left anywhere, the gradients are zeros.
     advantages = [sample.token_values["advantage"].clone() for sample in mine]
     for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
         sample.token_values["advantage"] *= index % 2 == 0
