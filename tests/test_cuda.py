@@ -131,12 +131,26 @@ def test_bf16_run_learns_and_stays_near_fp32(tmp_path, tiny_llama, chat_data, cu
     assert read_metrics(out)[-1]["perf/max_memory_gb"] > 0
 
 
-def test_grpo_runs_on_cuda_with_the_engine_agreeing(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_liger_kernels_give_the_losses_of_transformers_modules(tmp_path, tiny_llama, chat_data, cuda_fp32_run):
+    """model.use_liger=true: liger's RMSNorm, rotary and SwiGLU kernels in the packed fp32 run, the losses of the
+    run with transformers' own modules."""
+    pytest.importorskip("liger_kernel")
+    result = run_sft(1, tiny_llama, chat_data, str(tmp_path), trainer__total_training_steps=4, model__use_liger="true", **CUDA_FP32)
+    assert "liger's kernels in the llama model: rope, rms_norm, swiglu" in result.stdout
+    assert losses(str(tmp_path)) == pytest.approx(losses(cuda_fp32_run), abs=1e-4)
+
+
+@pytest.mark.parametrize("liger", ["false", "true"])
+def test_grpo_runs_on_cuda_with_the_engine_agreeing(tmp_path, tiny_llama, rl_data, liger):  # noqa: F811
     """Two GRPO steps on CUDA in bf16 (the default) with the HF engine's sampling log-probs: the trainer's
-    old-policy log-probs agree with them to bf16 precision, and the update moves the weights."""
+    old-policy log-probs agree with them to bf16 precision, and the update moves the weights; with liger's kernels
+    (where installed) too."""
+    if liger == "true":
+        pytest.importorskip("liger_kernel")
     out = str(tmp_path)
-    torchrun(1, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__device="cuda",
-                                                    algorithm__rollout_correction__rollout_is="token"))
+    result = torchrun(1, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__device="cuda",
+                                                             algorithm__rollout_correction__rollout_is="token", actor_rollout_ref__model__use_liger=liger))
+    assert ("liger's kernels in the llama model" in result.stdout) == (liger == "true")
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

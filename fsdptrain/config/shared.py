@@ -59,6 +59,7 @@ class LanguageModelConfig(ModelConfig):
     whether it trains low-rank adapters instead of its weights."""
 
     chunked_loss_tokens: int
+    use_liger: bool
     lora_rank: int
     lora_alpha: float
     target_modules: Any

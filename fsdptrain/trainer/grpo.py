@@ -145,6 +145,7 @@ class GRPOStep:
         return StepResult(groups, response_advantages, metrics)
 
     def sync_weights(self) -> None:
+        self.engine.wake_up()  # the weights go to the engine's own memory, not to what it parks while asleep
         sync_weights(self.actor.model, self.engine, self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20)
 
 

@@ -19,14 +19,15 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedToken
 
 from fsdptrain.checkpoint.manager import CheckpointManager, Stateful
 from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_directory
-from fsdptrain.config.shared import FSDPConfig, LoRASettings, ModelConfig, OptimConfig, TrainerConfig
+from fsdptrain.config.shared import FSDPConfig, LanguageModelConfig, LoRASettings, ModelConfig, OptimConfig, TrainerConfig
 from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
 from fsdptrain.errors import ConfigError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
+from fsdptrain.models.liger import apply_liger_kernels
 from fsdptrain.models.loading import build_model
 from fsdptrain.trainer.optim import build_optimizer, build_scheduler
-from fsdptrain.trainer.runtime import apply_cpu_speedups, quiet_non_main, seed_everything
+from fsdptrain.trainer.runtime import announce_once, apply_cpu_speedups, quiet_non_main, seed_everything
 
 
 def start_run(trainer: TrainerConfig, sp_size: int, timeout_s: float = 1800) -> Parallel:
@@ -74,8 +75,11 @@ def build_sharded_model(
     lora: LoRASettings | None = None,
 ) -> nn.Module:
     """A sharded model (trained or frozen; a causal LM, or what `auto_class` builds; with `lora`, its adapters
-    trained) with the CPU speed-ups that `trainer.cpu_speedups` switches on."""
+    trained) with liger's kernels where a language model's `use_liger` asks for them, and the CPU speed-ups that
+    `trainer.cpu_speedups` switches on."""
     sharded = build_model(path, model, fsdp, hf_config, parallel, packed, trainable, auto_class, lora, trainer.seed)
+    if isinstance(model, LanguageModelConfig) and model.use_liger:
+        announce_once(apply_liger_kernels(sharded, parallel.device))
     host_memory = parallel.device.type == "cpu" or fsdp.cpu_offload
     apply_cpu_speedups(sharded, trainer.cpu_speedups, parallel, host_memory)
     return sharded

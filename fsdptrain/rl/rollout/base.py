@@ -82,10 +82,13 @@ class RolloutEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free the accelerator memory the engine holds between rollouts (where it can)."""
+        """Free the accelerator memory the engine holds between rollouts (where it can); a sleeping engine is left
+        as it is."""
         ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self) -> None:
+        """Ready the engine to generate and to take weights; an awake engine is left as it is."""
+        ...
 
     def shutdown(self) -> None:
         """Release the engine; called once, after the job's last collective."""

@@ -75,6 +75,7 @@ class VLLMRollout:
                 remove_stale_shared_memory(ranks)
                 dist.barrier(group=self.group)  # no rank creates its segments before every stale one is gone
         self.sleeps = settings.free_cache_engine and torch.cuda.is_available()
+        self.asleep = False
         self.llm = vllm.LLM(
             model=path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=settings.max_num_seqs,
@@ -125,9 +126,11 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
-        if self.sleeps:
+        if self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
 
     def wake_up(self) -> None:
-        if self.sleeps:
+        if self.asleep:
             self.llm.wake_up()
+            self.asleep = False
