@@ -16,7 +16,7 @@ FALLBACK = "the model keeps transformers' RMSNorm, rotary embedding and MLP (lig
 
 
 def apply_liger_kernels(model: nn.Module, device: torch.device) -> str:
-    """Patch `model` (before it is sharded) with liger's kernels where they can run; returns what was done, to log."""
+    """Patch `model` (built and sharded) with liger's kernels where they can run; returns what was done, to log."""
     model_type = model.config.model_type
     if device.type != "cuda":
         return f"use_liger=true: liger's Triton kernels need a CUDA device, this run is on {device.type}; {FALLBACK}"
