@@ -80,9 +80,7 @@ def validate_on_ranks(engine: RolloutEngine, prompts: Sequence[Prompt], reward_f
     rank answering a share of the prompts."""
     mine = list(prompts[parallel.rank :: parallel.world_size])
     # Every rank calls the engine, with or without prompts: a tensor-parallel engine needs all of its ranks.
-    engine.wake_up()  # between steps the engine sleeps (on a GPU, an HF engine's copy is parked in host memory)
     records = evaluate(engine, tokenizer, mine, reward_fn, n, temperature, max_new_tokens, batch_size, agent)
-    engine.sleep()
     metrics = {}
     for source, figures in summarize(gather_lists(records)).items():
         metrics[f"val-core/{source}/acc/mean@{n}"] = figures["acc"]

@@ -88,10 +88,15 @@ class RolloutRequest:
 
 
 def generate(engine: RolloutEngine, agent: "AgentLoop | None", prompts: Sequence[Prompt], request: RolloutRequest) -> list[Generation]:
-    """`request.n` responses to each prompt: one turn from the engine, or trajectories of the multi-turn `agent`."""
+    """`request.n` responses to each prompt: one turn from the engine, or trajectories of the multi-turn `agent`.
+    The engine is awake only while it generates (on a GPU, it frees the accelerator for training the rest of the time)."""
+    engine.wake_up()
     if agent is not None:
-        return agent.generate(prompts, **asdict(request))
-    return engine.generate([p.ids for p in prompts], **asdict(request))
+        generations = agent.generate(prompts, **asdict(request))
+    else:
+        generations = engine.generate([p.ids for p in prompts], **asdict(request))
+    engine.sleep()
+    return generations
 
 
 @dataclass
@@ -136,9 +141,7 @@ class GroupSampler:
         torch.manual_seed(self.seed * 1_000_003 + cursor.batches * parallel.world_size + self.engine_index)
         cursor.batches += 1
         n = request.n
-        self.engine.wake_up()
         generations = generate(self.engine, self.agent, prompts, request)
-        self.engine.sleep()
         if self.score_later:
             self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="fsdptrain-scoring")
             self.pending = self.worker.submit(self.score, generations, prompts, f"prompt batch {cursor.batches}")
