@@ -2,7 +2,7 @@
 # PPO with a critic (algorithm.adv_estimator=gae) from the quickstart's SFT model, on the same addition problems:
 # one response per prompt, the advantage from a learned value model instead of a group of responses. Needs the
 # quickstart's work directory (its SFT model, data and the SFT model's evaluation); evaluates the PPO model on the
-# same held-out test problems and prints its gain over the SFT model with the paired standard error. About 35
+# same held-out test problems and prints its gain over the SFT model with the paired standard error. About 30
 # minutes on 2 CPU cores (docs/results.md has its result).
 #   bash scripts/quickstart.sh && bash scripts/ppo_arithmetic.sh
 # Sizes are environment variables: WORK (the quickstart's; runs/quickstart), PPO_STEPS (36), PPO_PROMPTS (96 a
