@@ -95,10 +95,10 @@ def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBas
         from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
 
         settings = EngineSettings(gpu_memory_utilization=0.5 if device.type == "cuda" else 0.1, max_num_seqs=256, max_num_batched_tokens=8192,
-                                  enable_chunked_prefill=True, enforce_eager=True, free_cache_engine=False, load_format="auto")
-        return VLLMRollout(model_dir, dtype, max_model_len, seed, settings, distributed=False)
+                                  enable_chunked_prefill=True, enforce_eager=True, load_format="auto")
+        return VLLMRollout(model_dir, dtype, max_model_len, seed, settings, distributed=False, free_cache_engine=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFRollout(model_dir, device, dtype, pad)
+    return HFRollout(model_dir, device, dtype, pad, free_cache_engine=False)
 
 
 def main(argv: list[str] | None = None) -> None:

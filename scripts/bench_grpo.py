@@ -3,9 +3,9 @@ its vLLM colocate mode), the same training through each system, one system at a 
 
     python scripts/bench_grpo.py --model runs/quickstart/smollm2 --data runs/quickstart/data [--steps 4] [--prompts 4]
         [--responses 8] [--max-new-tokens 32] [--nproc 2] [--systems fsdptrain-hf,fsdptrain-vllm,trl-hf,trl-vllm] [--json out.json]
-        [--fsdptrain-overrides key=value ...] [--lora-rank 16] [--checkpoint-size]
+        [--fsdptrain-overrides key=value ...] [--lora-rank 16] [--checkpoint-size] [--bf16]
 
-The same in every system: the model (fp32 on CPU), the prompts (the RL training split of make_arithmetic_data.py,
+The same in every system: the model (fp32 weights; fp32 compute, or bf16 with `--bf16`), the prompts (the RL training split of make_arithmetic_data.py,
 in order), `--prompts` prompts x `--responses` responses a step sampled at temperature 1 up to `--max-new-tokens` tokens, the
 reward (fsdptrain's built-in rule for the arithmetic data, or the `compute_score` of `--reward`, called by both), AdamW (lr, betas (0.9, 0.999), weight
 decay 0.01, constant), gradient clipping at 1, one optimizer step per generation, no KL term, no gradient
@@ -19,7 +19,8 @@ first update r = 1, so the loss is -sum_i A_i L_i / sum_i L_i over the system's 
 L_i of response i). Each system samples from its own random stream, so the table checks each one's logged first-step
 loss against that value from its own samples. (TRL divides by std + 1e-4, fsdptrain by std + 1e-6.)
 
-Figures are means over steps 2..N (step 1 warms up). Memory is each system's largest process's peak RSS. Generation
+Figures are means over steps 2..N (step 1 warms up). Memory is each system's largest process's peak RSS, and on CUDA
+also torch.cuda.max_memory_allocated (the maximum over ranks). Generation
 time includes scoring; TRL's vLLM weight sync happens inside its generation call and is taken out of it here.
 """
 
@@ -29,6 +30,8 @@ import os
 import shutil
 import sys
 import time
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -47,6 +50,7 @@ def run_fsdptrain(system: str, args) -> dict:
            f"data.train_files={args.data}/rl_train.parquet", "data.val_files=null", "data.max_prompt_length=128",
            f"data.max_response_length={args.max_new_tokens}", f"data.train_batch_size={args.prompts}", "data.shuffle=false",
            f"actor_rollout_ref.model.path={args.model}", "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+           f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={'bf16' if args.bf16 else 'fp32'}",
            f"actor_rollout_ref.actor.optim.lr={LR}", f"actor_rollout_ref.actor.optim.weight_decay={WEIGHT_DECAY}",
            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.prompts * args.responses // args.nproc}",
@@ -70,6 +74,7 @@ def run_fsdptrain(system: str, args) -> dict:
     return {"steps": steps, "reward": metrics[-1]["critic/score/mean"], "first_loss": metrics[0]["actor/pg_loss"],
             "first_loss_expected": expected_first_loss([(r["advantage"], r["response_length"]) for r in rows]),
             "probs_diff_max": max((m.get("training/rollout_probs_diff_max", float("nan")) for m in metrics), default=float("nan")),
+            "cuda_peak_gb": max(m["perf/max_memory_gb"] for m in metrics) if torch.cuda.is_available() else None,
             "checkpoint_mb": checkpoint_mb(out) if args.checkpoint_size else None, **memory}
 
 
@@ -84,7 +89,7 @@ def run_trl(system: str, args) -> dict:
     os.makedirs(out)
     cmd = [*torchrun(args.nproc), __file__, "--worker", system, "--model", args.model, "--data", args.data, "--work", out,
            "--steps", str(args.steps), "--prompts", str(args.prompts), "--responses", str(args.responses), "--max-new-tokens", str(args.max_new_tokens),
-           "--vllm-memory", str(args.vllm_memory), *(["--reward", args.reward] if args.reward else [])]
+           "--vllm-memory", str(args.vllm_memory), *(["--reward", args.reward] if args.reward else []), *(["--bf16"] if args.bf16 else [])]
     memory = launch(cmd, env={"WANDB_MODE": "disabled", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.nproc)]
     logs = [entry for entry in ranks[0]["log_history"] if "reward" in entry]
@@ -98,14 +103,15 @@ def run_trl(system: str, args) -> dict:
     first = [pair for rank in ranks for pair in rank["first_advantages_and_lengths"]]
     # Each rank's loss is its share of the sum over the global token count times the number of ranks (DDP averages).
     first_loss = sum(rank["loss"][0] for rank in ranks) / len(ranks)
-    return {"steps": steps, "reward": logs[-1]["reward"], "first_loss": first_loss, "first_loss_expected": expected_first_loss(first), **memory}
+    cuda_peak = max(rank["cuda_peak_gb"] for rank in ranks) if torch.cuda.is_available() else None
+    return {"steps": steps, "reward": logs[-1]["reward"], "first_loss": first_loss, "first_loss_expected": expected_first_loss(first),
+            "cuda_peak_gb": cuda_peak, **memory}
 
 
 # long: one TRL run as its own user would write it, set-up to teardown; split, its measured loop would read less plainly
 def trl_worker(args) -> None:
     """One rank of TRL's GRPOTrainer, timing its steps, generation calls and weight syncs."""
     import pyarrow.parquet as pq
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -155,7 +161,7 @@ def trl_worker(args) -> None:
         adam_beta1=0.9, adam_beta2=0.999, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", num_iterations=1, shuffle_dataset=False, gradient_checkpointing=False,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=not torch.cuda.is_available(), ddp_backend="gloo",
-        bf16=False, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, seed=0,
+        bf16=args.bf16, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, seed=0,
         use_vllm=args.worker == "trl-vllm", vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
         vllm_importance_sampling_correction=False,  # as fsdptrain here: its extra old-policy pass is not part of the training
     )
@@ -171,7 +177,8 @@ def trl_worker(args) -> None:
         trainer.vllm_generation.sync_weights = timed_sync
     trainer.train()
     with open(os.path.join(args.work, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
-        json.dump({**timings, "first_advantages_and_lengths": first_step, "log_history": trainer.state.log_history}, f)
+        cuda_peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        json.dump({**timings, "first_advantages_and_lengths": first_step, "log_history": trainer.state.log_history, "cuda_peak_gb": cuda_peak}, f)
 
 
 def summary(result: dict) -> dict:
@@ -186,19 +193,20 @@ def summary(result: dict) -> dict:
 def table(results: dict) -> str:
     base = results.get("fsdptrain-vllm") or results.get("fsdptrain-hf")
     lines = ["| system | step s | vs fsdptrain | gen s | old log-prob s | update s | sync s (share) | gen tok/s | trained tok/s "
-             "| peak GB/process | reward, last step | first loss (expected) | engine prob diff max | checkpoint MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GB/process | CUDA peak GB | reward, last step | first loss (expected) | engine prob diff max | checkpoint MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for system, r in results.items():
         if "error" in r:
-            lines.append(f"| {system} | did not run: {r['error']} |" + " |" * 12)
+            lines.append(f"| {system} | did not run: {r['error']} |" + " |" * 13)
             continue
         s = summary(r)
         ratio = s["step_s"] / summary(base)["step_s"] if base and "error" not in base else float("nan")
         diff = r.get("probs_diff_max", float("nan"))  # TRL logs its engine's agreement only with its correction on
         checkpoint = f"{r['checkpoint_mb']:.1f}" if r.get("checkpoint_mb") is not None else ""
+        cuda_peak = f"{r['cuda_peak_gb']:.1f}" if r.get("cuda_peak_gb") is not None else ""
         lines.append(f"| {system} | {s['step_s']:.1f} | {ratio:.2f}x | {s['gen_s']:.1f} | {s['old_log_prob_s']:.1f} | {s['update_s']:.1f} "
                      f"| {s['sync_s']:.2f} ({s['sync_s'] / s['step_s']:.0%}) | {s['generated_tokens_per_s']:.0f} "
-                     f"| {s['trained_tokens_per_s']:.0f} | {r['max_proc_rss_gb']:.2f} | {r['reward']:.3f} "
+                     f"| {s['trained_tokens_per_s']:.0f} | {r['max_proc_rss_gb']:.2f} | {cuda_peak} | {r['reward']:.3f} "
                      f"| {r['first_loss']:.6f} ({r['first_loss_expected']:.6f}) | {diff:.1e} | {checkpoint} |")
     return "\n".join(lines)
 
@@ -220,6 +228,7 @@ def main() -> None:
                         help="fsdptrain rows save their model and optimizer once, after the last (timed) step, and show its size")
     parser.add_argument("--fsdptrain-overrides", nargs="*", default=[], help="extra key=value for the fsdptrain rows")
     parser.add_argument("--work", default="/tmp/bench_grpo")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute in every system (default fp32)")
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=("trl-hf", "trl-vllm"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fsdptrain.models import attention
 from fsdptrain.models.loss import chunked_cross_entropy_sum
+from fsdptrain.rl.rollout.hf import HFRollout
 
 from conftest import losses, read_metrics, run_sft, torchrun
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
@@ -156,3 +157,34 @@ def test_grpo_runs_on_cuda_with_the_engine_agreeing(tmp_path, tiny_llama, rl_dat
     for m in metrics:
         assert 0.9 < m["rollout_corr/rollout_is_min"] <= m["rollout_corr/rollout_is_max"] < 1.1
         assert m["actor/grad_norm"] > 0 and m["perf/max_memory_gb"] > 0
+
+
+def test_hf_engine_sleeps_off_the_gpu_and_wakes_unchanged(tiny_llama):
+    """Asleep, the HF engine's weights leave the GPU; awake, they are back bit for bit (greedy answers too), and a
+    second sleep reuses the first one's host buffers; weights sent after waking are the ones it generates with.
+    With free_cache_engine=false it stays on the GPU."""
+    engine = HFRollout(tiny_llama, torch.device("cuda"), torch.bfloat16, pad_id=0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+
+    def answers():
+        return [g.response_ids for g in engine.generate(prompts, n=1, max_new_tokens=8, batch_size=2, do_sample=False)]
+
+    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    greedy, awake_bytes = answers(), torch.cuda.memory_allocated()
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine._tensors().values())
+    for _ in range(2):
+        engine.sleep()
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in engine.model.state_dict().values())
+        assert torch.cuda.memory_allocated() <= awake_bytes - weight_bytes * 0.9
+        parked = [t.data_ptr() for t in engine.parked.values()]
+        engine.wake_up()
+        assert [t.data_ptr() for t in engine.parked.values()] == parked
+        assert all(torch.equal(t, before[name]) and t.is_cuda for name, t in engine.model.state_dict().items())
+        assert answers() == greedy
+    engine.sleep()
+    engine.wake_up()
+    engine.update_weights([("model.norm.weight", torch.zeros_like(engine.model.model.norm.weight))])
+    assert all(set(answer) == {0} for answer in answers())  # all-zero logits: the argmax is token 0
+    kept = HFRollout(tiny_llama, torch.device("cuda"), torch.bfloat16, pad_id=0, free_cache_engine=False)
+    kept.sleep()
+    assert all(t.is_cuda for t in kept.model.state_dict().values())

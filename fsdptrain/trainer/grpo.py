@@ -281,10 +281,10 @@ def build_engine(config: GRPOConfig, parallel: Parallel, pad_id: int) -> Rollout
     model, rollout = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout
     dtype = compute_dtype(config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype, parallel.device)
     vllm = EngineSettings(rollout.gpu_memory_utilization, rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
-                          rollout.enforce_eager, rollout.free_cache_engine, rollout.load_format)
+                          rollout.enforce_eager, rollout.load_format)
     seed = config.trainer.seed + engine_index(parallel.rank, rollout.tensor_model_parallel_size)
     spec = EngineSpec(model.path, dtype, parallel.device, pad_id, model.trust_remote_code, config.sequence_length, seed,
-                      rollout.tensor_model_parallel_size, vllm)
+                      rollout.tensor_model_parallel_size, rollout.free_cache_engine, vllm)
     return build_rollout(rollout.name, spec)
 
 

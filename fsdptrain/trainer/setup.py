@@ -205,6 +205,8 @@ class StepTimer:
         fault_point(phase, self.step)
         tick = time.perf_counter()
         yield
+        if torch.cuda.is_initialized():  # else a phase's queued kernels would count in the next phase that waits on them
+            torch.cuda.synchronize()
         self.seconds[phase] = time.perf_counter() - tick
 
     def elapsed(self) -> float:

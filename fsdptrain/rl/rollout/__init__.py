@@ -26,13 +26,15 @@ class EngineSpec:
     max_model_len: int
     seed: int  # the same on every rank of one engine
     tensor_parallel_size: int
+    free_cache_engine: bool  # sleep between rollouts where the platform can (CUDA), freeing the accelerator for training
     vllm: EngineSettings
 
 
 ENGINES: dict[str, Callable[[EngineSpec], RolloutEngine]] = {
-    "hf": lambda spec: HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code),
+    "hf": lambda spec: HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine),
     "vllm": lambda spec: VLLMRollout(spec.path, spec.dtype, spec.max_model_len, spec.seed, spec.vllm, distributed=True,
-                                     trust_remote_code=spec.trust_remote_code, tensor_parallel_size=spec.tensor_parallel_size),
+                                     trust_remote_code=spec.trust_remote_code, tensor_parallel_size=spec.tensor_parallel_size,
+                                     free_cache_engine=spec.free_cache_engine),
 }
 
 

@@ -66,7 +66,8 @@ def generate(
 class HFRollout:
     """The policy's rollout engine: a plain copy of the model on this rank's device, in `dtype`."""
 
-    def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False):
+    def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False,
+                 free_cache_engine: bool = True):
         # A CPU's fused attention kernel is slow for the one-token queries of decoding; plain matmuls beat it there
         attention = "eager" if device.type == "cpu" else "sdpa"
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code)
@@ -74,6 +75,9 @@ class HFRollout:
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
         self.group = None  # every rank runs its own copy
         self.end_ids = end_token_ids(self.model, pad_id)
+        self.sleeps = free_cache_engine and device.type == "cuda"  # on CPU there is nothing to free
+        self.parked: dict[str, torch.Tensor] | None = None  # pinned host buffers for the weights, made at the first sleep
+        self.asleep = False
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
@@ -89,12 +93,31 @@ class HFRollout:
     def shutdown(self) -> None:
         self.model = None  # the copy of the policy, freed before the job's teardown
 
+    @torch.no_grad()
     def sleep(self) -> None:
-        """Free the accelerator for training; on CPU there is nothing to free."""
-        if self.device.type == "cuda":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+        """Free the accelerator for training: the weights wait in pinned host buffers, made once and reused (a plain
+        `.to("cpu")` allocates pageable memory at every sleep, which copies to and from the GPU more slowly)."""
+        if not self.sleeps or self.asleep:
+            return
+        tensors = self._tensors()
+        if self.parked is None:
+            self.parked = {name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in tensors.items()}
+        for name, t in tensors.items():
+            self.parked[name].copy_(t, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        for name, t in tensors.items():
+            t.data = self.parked[name]
+        torch.cuda.empty_cache()
+        self.asleep = True
 
+    @torch.no_grad()
     def wake_up(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to(self.device)
+        if not self.asleep:
+            return
+        for name, t in self._tensors().items():
+            t.data = self.parked[name].to(self.device, non_blocking=True)
+        self.asleep = False
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter (a tied one once) and buffer of the copy, by name."""
+        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}

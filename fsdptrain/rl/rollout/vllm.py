@@ -31,7 +31,6 @@ class EngineSettings:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     enforce_eager: bool
-    free_cache_engine: bool  # sleep between rollouts (CUDA): frees the KV cache for training
     load_format: str  # dummy: random weights until the trainer's first sync
 
 
@@ -60,7 +59,7 @@ class VLLMRollout:
     consecutive ranks builds one engine over the job's process group; alone, it is a plain single-process engine."""
 
     def __init__(self, path: str, dtype: torch.dtype, max_model_len: int, seed: int, settings: EngineSettings, distributed: bool,
-                 trust_remote_code: bool = False, tensor_parallel_size: int = 1):
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1, free_cache_engine: bool = True):
         vllm = import_vllm()
         # Created before the engine, which takes over the job's default group (see the trainer's collectives);
         # new_group is collective: every rank creates every group. `seed` must be the same on the group's ranks.
@@ -74,7 +73,7 @@ class VLLMRollout:
             if not torch.cuda.is_available():
                 remove_stale_shared_memory(ranks)
                 dist.barrier(group=self.group)  # no rank creates its segments before every stale one is gone
-        self.sleeps = settings.free_cache_engine and torch.cuda.is_available()
+        self.sleeps = free_cache_engine and torch.cuda.is_available()  # asleep: KV cache dropped, weights in host memory
         self.asleep = False
         self.llm = vllm.LLM(
             model=path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_model_len,
