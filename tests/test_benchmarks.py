@@ -95,3 +95,16 @@ def test_bench_reward_server_loads_the_server_and_reports_latency(tmp_path):
                    cwd=REPO, check=True, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert [r["clients"] for r in rows] == [1, 4] and all(r["requests"] == 16 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
+
+
+def test_bench_rollout_times_both_systems_on_the_same_prompts(tmp_path, tiny_llama):
+    data, out = tmp_path / "data", tmp_path / "rollout.json"
+    subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(data), "--train", "16", "--val", "2", "--test", "2"], cwd=REPO, check=True,
+                   capture_output=True)
+    subprocess.run([sys.executable, "scripts/bench_rollout.py", tiny_llama, str(data / "rl_train.parquet"), "--prompts", "3", "--n", "2",
+                    "--max-new-tokens", "4", "--dtype", "fp32", "--repeats", "2", "--json", str(out)], cwd=REPO, check=True, capture_output=True,
+                   timeout=300)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"fsdptrain HF engine", "transformers generate"}
+    for r in results.values():
+        assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"]) and all(0 < length <= 4 for length in r["mean_length"])

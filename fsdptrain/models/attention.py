@@ -1,4 +1,7 @@
-"""Attention over packed rows: sequences concatenated in one row never attend across their boundaries.
+"""Two attention functions registered in transformers' AttentionInterface, so that every model family that
+dispatches through it can use them unchanged.
+
+Attention over packed rows (training): sequences concatenated in one row never attend across their boundaries.
 
 Registered in transformers' AttentionInterface, so every model family that dispatches through it works
 unchanged. Boundaries come from transformers' flash-attention kwargs `cu_seq_lens_q` / `max_length_q` where the
@@ -8,6 +11,11 @@ On CUDA in bf16/fp16 it calls a varlen flash kernel (flash-attn's where installe
 2.10); elsewhere it runs SDPA per sequence, which on a GPU costs a kernel launch per sequence and layer.
 With Ulysses sequence parallelism the model is called with `sp_group=...`, which transformers passes down
 to here: the row is then sharded along the sequence and attention runs on a share of the heads instead.
+
+Grouped attention over a padded batch (the HF rollout engine's prefill and decoding on a CPU): transformers' eager
+attention with the query heads that share a KV head as rows of one matmul. Eager attention repeats each KV head
+for its query heads, a copy of the whole cache at every layer and decoding step that costs more than the
+attention itself; SDPA's fused CPU kernel is slow for the one-token queries of decoding.
 
 A row may also hold a prompt once for several responses (RL groups, see data.micro_batches): then `key_rows`
 lists, sequence after sequence, the row positions each sequence attends to (its prompt's, then its own), and
@@ -21,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup, get_world_size
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from fsdptrain.distributed.ulysses import gather_sequence, heads_to_seq, seq_to_heads
 
@@ -37,6 +46,7 @@ except ImportError:  # torch < 2.10
 VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 PACKED_ATTENTION = "fsdptrain_packed"
+GROUPED_ATTENTION = "fsdptrain_grouped"
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -163,3 +173,35 @@ def packed_attention_forward(
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+
+
+def grouped_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' attention signature over a padded batch: q (B, H, Q, D), k/v (B, Hkv, K, D) and eager's
+    additive (B, 1, Q, K) mask -> ((B, Q, H, D), weights). Query head h reads KV head h // (H / Hkv), as
+    transformers' repeat_kv pairs them."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scores = torch.matmul(query.reshape(batch, kv_heads, groups * queries, dim), key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores.view(batch, kv_heads, groups, queries, keys) + attention_mask[:, :, None, :, :keys]
+    weights = F.softmax(scores.view(batch, kv_heads, groups * queries, keys), dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).view(batch, heads, queries, dim)
+    return output.transpose(1, 2).contiguous(), weights.view(batch, heads, queries, keys)
+
+
+AttentionInterface.register(GROUPED_ATTENTION, grouped_attention_forward)
+AttentionMaskInterface.register(GROUPED_ATTENTION, eager_mask)

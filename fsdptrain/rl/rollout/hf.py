@@ -4,9 +4,17 @@ trainer refreshes after each update. Runs wherever transformers runs."""
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    Cache,
+    LogitsProcessorList,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
+from fsdptrain.models.attention import GROUPED_ATTENTION
 from fsdptrain.rl.rollout.base import Generation
 
 
@@ -24,6 +32,64 @@ def group_batches(prompts: Sequence[list[int]], n: int, batch_size: int) -> Iter
             yield prompts[first : first + per_batch], min(copies, n - done)
 
 
+def warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """transformers' own temperature, top-k and top-p processors, in generate's order: the distribution that a
+    response is sampled from and that its log-probs are of."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    return processors
+
+
+def draw(scores: torch.Tensor, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token from softmax(scores), sampled or greedy, and its log-probability. Sampling inverts the
+    cumulative distribution with one uniform a row: torch.multinomial, which generate uses, draws an exponential
+    for every entry of the vocabulary, several times the cost of the rest of the draw on a CPU."""
+    top = scores.max(-1, keepdim=True).values
+    weights = (scores - top).exp()
+    if do_sample:  # right=True: the first token whose cumulative mass exceeds the uniform; a zero-mass token never is
+        cumulative = weights.cumsum(-1)
+        uniform = torch.rand_like(top) * cumulative[:, -1:]
+        tokens = torch.searchsorted(cumulative, uniform, right=True).clamp_(max=scores.shape[-1] - 1)
+    else:
+        tokens = scores.argmax(-1, keepdim=True)
+    # the normalizer from a sum, not from the running sum's end, which drifts by ~1e-4 over a large vocabulary
+    return tokens.squeeze(1), (scores.gather(1, tokens) - top - weights.sum(-1, keepdim=True).log()).squeeze(1)
+
+
+@torch.no_grad()
+def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+           end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probs), each (rows, max_new_tokens), decoded from each row's next-token `logits` after its
+    left-padded prompt, whose keys and values `cache` holds. A row ends at its first end token (pad after it);
+    only the rows still going are forwarded, their cache entries selected as the others end."""
+    rows, device = logits.shape[0], logits.device
+    tokens = torch.full((rows, max_new_tokens), pad_id, device=device)
+    log_probs = torch.zeros(rows, max_new_tokens, device=device)
+    live = torch.arange(rows, device=device)
+    ends = torch.tensor(end_ids, device=device)
+    positions = attention_mask.sum(-1)  # the next token's position: the row's count of real tokens
+    for step in range(max_new_tokens):
+        chosen, chosen_log_probs = draw(warp(None, logits.float()), do_sample)
+        tokens[live, step], log_probs[live, step] = chosen, chosen_log_probs
+        going = ~torch.isin(chosen, ends)
+        if step == max_new_tokens - 1 or not going.any():
+            break
+        if not going.all():
+            keep = going.nonzero().squeeze(1)
+            live, chosen, attention_mask, positions = live[keep], chosen[keep], attention_mask[keep], positions[keep]
+            cache.batch_select_indices(keep)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
+        logits = model(input_ids=chosen[:, None], attention_mask=attention_mask, position_ids=positions[:, None], past_key_values=cache,
+                       use_cache=True).logits[:, -1]
+        positions = positions + 1
+    return tokens, log_probs
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
@@ -32,33 +98,27 @@ def generate(
 ) -> list[Generation]:
     """`n` responses to each prompt (n in a row), in left-padded batches. Each distinct prompt of a batch is
     prefilled once and its key/value cache copied to its responses: on a CPU, prefilling n copies of a prompt costs
-    more than decoding the answers. The sampling log-probs need transformers to keep every step's (batch x vocab)
-    scores, so they are computed only when asked."""
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k, 0)) if do_sample else dict(do_sample=False)
+    more than decoding the answers. Sampling follows the rollout's temperature, top-k and top-p only (not the
+    model's generation_config), the distribution whose log-probs the trainer computes."""
+    warp = warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     generations = []
     for distinct, copies in group_batches(prompts, n, batch_size):
         width = max(map(len, distinct))
         input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in distinct], device=model.device)
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in distinct], device=model.device)
-        cache = None
-        if width > 1:  # all but the last prompt token; generate() runs that one and decodes from there
-            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            cache = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=positions[:, :-1],
-                          use_cache=True, logits_to_keep=1).past_key_values
-            cache.batch_repeat_interleave(copies)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        # the last position as an index tensor, not logits_to_keep=1: its slice of the hidden states is not contiguous,
+        # and torch.matmul then copies the output layer's weight once per row of the batch
+        prefill = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=torch.tensor([width - 1], device=model.device))
+        prefill.past_key_values.batch_repeat_interleave(copies)
+        tokens, log_probs = decode(model, prefill.past_key_values, prefill.logits[:, -1].repeat_interleave(copies, 0),
+                                   attention_mask.repeat_interleave(copies, 0), max_new_tokens, end_ids, pad_id, warp, do_sample)
         batch = [ids for ids in distinct for _ in range(copies)]
-        output = model.generate(input_ids=input_ids.repeat_interleave(copies, 0), attention_mask=attention_mask.repeat_interleave(copies, 0),
-                                past_key_values=cache, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=end_ids,
-                                output_scores=calculate_log_probs, return_dict_in_generate=True, **sampling)
-        tokens = output.sequences[:, width:]
-        log_probs = None
-        if calculate_log_probs:
-            scores = torch.stack(output.scores, dim=1).float()  # (batch, steps, vocab), as processed for sampling
-            log_probs = F.log_softmax(scores, dim=-1).gather(2, tokens[:, : scores.shape[1], None]).squeeze(2)
         for row, ids in enumerate(tokens.tolist()):
             end = next((i for i, token in enumerate(ids) if token in end_ids), None)
             kept = len(ids) if end is None else end + 1
-            sampled = None if log_probs is None else log_probs[row, :kept].tolist()
+            sampled = log_probs[row, :kept].tolist() if calculate_log_probs else None
             generations.append(Generation(batch[row], ids[:kept], [1] * kept, sampled, end is None))
     return generations
 
@@ -68,8 +128,7 @@ class HFRollout:
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False,
                  free_cache_engine: bool = True):
-        # A CPU's fused attention kernel is slow for the one-token queries of decoding; plain matmuls beat it there
-        attention = "eager" if device.type == "cpu" else "sdpa"
+        attention = GROUPED_ATTENTION if device.type == "cpu" else "sdpa"
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
