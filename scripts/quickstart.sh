@@ -2,17 +2,17 @@
 # SmolLM2-135M-Instruct made better at addition on this machine, end to end: set-up, the model as a Hugging Face
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
 # the SFT and GRPO models evaluated on the held-out test split, side by side, with GRPO's gain over SFT on the
-# same problems. About 19 minutes on 2 CPU cores (docs/results.md has the sizes' results on three seeds).
+# same problems. About 15 minutes on 2 CPU cores (docs/results.md has the sizes' results on three seeds).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
-# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS (prompts per step, 24),
+# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS (prompts per step, 40),
 # GRPO_LR (5e-6), TEST_ROWS (600), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation, bf16:
 # twice fp32's speed on a CPU with AVX512-BF16 or AMX; fp32 elsewhere), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
-GRPO_STEPS=${GRPO_STEPS:-38} GRPO_PROMPTS=${GRPO_PROMPTS:-24} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-600}
+GRPO_STEPS=${GRPO_STEPS:-38} GRPO_PROMPTS=${GRPO_PROMPTS:-40} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-600}
 NPROC=${NPROC:-2} DTYPE=${DTYPE:-bf16}
 bash scripts/setup.sh smollm2
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
@@ -33,8 +33,7 @@ SFT_MODEL="$WORK/sft/global_step_$SFT_STEPS/huggingface"
 echo "== GRPO from the SFT model: $GRPO_STEPS steps of $GRPO_PROMPTS prompts x 8 responses"
 # no validation files, here or in SFT: the 1000 validation problems are what these sizes were tuned on, and the evaluation below
 # scores the test split, drawn after them. About half the groups answer all alike and teach nothing: the update skips them
-# (skip_zero_advantage, the same gradient), which pays for 24 prompts a step in the time 16 took. Each process generates
-# its share of the responses in one batch.
+# (skip_zero_advantage, the same gradient). Each process generates its share of the responses in one batch.
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     data.train_files="$WORK/data/rl_train.parquet" \
     data.max_prompt_length=128 data.max_response_length=24 data.train_batch_size="$GRPO_PROMPTS" \
