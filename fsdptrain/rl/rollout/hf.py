@@ -1,6 +1,9 @@
-"""Rollouts with transformers' `generate`, on every rank, from a plain (unsharded) copy of the policy that the
-trainer refreshes after each update. Runs wherever transformers runs."""
+"""Rollouts on every rank from a plain (unsharded) transformers copy of the policy that the trainer refreshes after
+each update: transformers' model, cache and sampling processors, driven by a decoding loop of our own (prompts
+prefilled once for their n responses, one uniform a sampled token, ended responses no longer forwarded). Runs
+wherever transformers runs."""
 
+import inspect
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -21,6 +24,12 @@ from fsdptrain.rl.rollout.base import Generation
 def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
     eos = model.generation_config.eos_token_id
     return sorted(eos if isinstance(eos, list) else [eos] if eos is not None else [fallback])
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The name of the forward's key/value cache argument and output: `cache` from transformers 5.24 (where the
+    older `past_key_values` still works but warns), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def group_batches(prompts: Sequence[list[int]], n: int, batch_size: int) -> Iterator[tuple[Sequence[list[int]], int]]:
@@ -73,6 +82,7 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
     live = torch.arange(rows, device=device)
     ends = torch.tensor(end_ids, device=device)
     positions = attention_mask.sum(-1)  # the next token's position: the row's count of real tokens
+    keyword = cache_keyword(model)
     for step in range(max_new_tokens):
         chosen, chosen_log_probs = draw(warp(None, logits.float()), do_sample)
         tokens[live, step], log_probs[live, step] = chosen, chosen_log_probs
@@ -84,8 +94,8 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
             live, chosen, attention_mask, positions = live[keep], chosen[keep], attention_mask[keep], positions[keep]
             cache.batch_select_indices(keep)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
-        logits = model(input_ids=chosen[:, None], attention_mask=attention_mask, position_ids=positions[:, None], past_key_values=cache,
-                       use_cache=True).logits[:, -1]
+        logits = model(input_ids=chosen[:, None], attention_mask=attention_mask, position_ids=positions[:, None], use_cache=True,
+                       **{keyword: cache}).logits[:, -1]
         positions = positions + 1
     return tokens, log_probs
 
@@ -111,8 +121,9 @@ def generate(
         # and torch.matmul then copies the output layer's weight once per row of the batch
         prefill = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                         logits_to_keep=torch.tensor([width - 1], device=model.device))
-        prefill.past_key_values.batch_repeat_interleave(copies)
-        tokens, log_probs = decode(model, prefill.past_key_values, prefill.logits[:, -1].repeat_interleave(copies, 0),
+        cache = prefill[cache_keyword(model)]
+        cache.batch_repeat_interleave(copies)
+        tokens, log_probs = decode(model, cache, prefill.logits[:, -1].repeat_interleave(copies, 0),
                                    attention_mask.repeat_interleave(copies, 0), max_new_tokens, end_ids, pad_id, warp, do_sample)
         batch = [ids for ids in distinct for _ in range(copies)]
         for row, ids in enumerate(tokens.tolist()):
