@@ -2,9 +2,7 @@
 dispatches through it can use them unchanged.
 
 Attention over packed rows (training): sequences concatenated in one row never attend across their boundaries.
-
-Registered in transformers' AttentionInterface, so every model family that dispatches through it works
-unchanged. Boundaries come from transformers' flash-attention kwargs `cu_seq_lens_q` / `max_length_q` where the
+Boundaries come from transformers' flash-attention kwargs `cu_seq_lens_q` / `max_length_q` where the
 caller computed them on the host (the trainer does, once per micro-batch: derived on the GPU in every layer they
 would cost two device syncs a layer), else from `position_ids`, which restart at 0 at each sequence start.
 On CUDA in bf16/fp16 it calls a varlen flash kernel (flash-attn's where installed, else torch's own from torch
@@ -12,15 +10,15 @@ On CUDA in bf16/fp16 it calls a varlen flash kernel (flash-attn's where installe
 With Ulysses sequence parallelism the model is called with `sp_group=...`, which transformers passes down
 to here: the row is then sharded along the sequence and attention runs on a share of the heads instead.
 
-Grouped attention over a padded batch (the HF rollout engine's prefill and decoding on a CPU): transformers' eager
-attention with the query heads that share a KV head as rows of one matmul. Eager attention repeats each KV head
-for its query heads, a copy of the whole cache at every layer and decoding step that costs more than the
-attention itself; SDPA's fused CPU kernel is slow for the one-token queries of decoding.
-
 A row may also hold a prompt once for several responses (RL groups, see data.micro_batches): then `key_rows`
 lists, sequence after sequence, the row positions each sequence attends to (its prompt's, then its own), and
 `cu_seq_lens_k` / `max_length_k` describe those key sequences. A response's queries are its own tokens only, so
 its causal mask is aligned to the bottom right: its k-th token sees the prompt and its own first k tokens.
+
+Grouped attention over a padded batch (the HF rollout engine's prefill and decoding on a CPU): transformers' eager
+attention with the query heads that share a KV head as rows of one matmul. Eager attention repeats each KV head
+for its query heads, a copy of the whole cache at every layer and decoding step that costs more than the
+attention itself; SDPA's fused CPU kernel is slow for the one-token queries of decoding.
 """
 
 import inspect
