@@ -1,5 +1,10 @@
-"""The error every layer raises for a setting or an input that cannot be used before any work starts."""
+"""The errors that are the user's to fix (a setting, a file, a data row, a reward function, a server), not bugs:
+the entry points print their message once, without a traceback (trainer/report.py)."""
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """An input of the user's that cannot be used; the message names it (key, file, row) and what to do."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value that cannot be used; the message names the key."""

@@ -14,78 +14,21 @@ With `--tool-config` (verl's tool YAML) the model answers over several turns, ca
 
 import argparse
 import json
-import math
-from collections import defaultdict
-from collections.abc import Sequence
 
 import torch
 import transformers
 import yaml
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from fsdptrain.distributed.mesh import Parallel
-from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.dtypes import DTYPES, compute_dtype
-from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings
+from fsdptrain.rl.agent.loop import AGENT_LOOPS, LoopContext, MultiTurnSettings
 from fsdptrain.rl.agent.tools import load_tools, tool_schemas
-from fsdptrain.rl.data import Prompt, load_prompts
-from fsdptrain.rl.rewards import RewardFn, load_reward_function, score_responses
+from fsdptrain.rl.data import load_prompts
+from fsdptrain.rl.rewards import load_reward_function, score_responses
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.hf import HFRollout
-from fsdptrain.rl.sampling import RolloutRequest, generate
-
-
-def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
-    """Per data_source: count, accuracy and its binomial standard error, mean score and length, truncations."""
-    by_source = defaultdict(list)
-    for record in records:
-        by_source[record["data_source"]].append(record)
-    summary = {}
-    for source, rows in sorted(by_source.items()):
-        count = len(rows)
-        accuracy = sum(r["acc"] for r in rows) / count
-        summary[source] = {
-            "n": count,
-            "acc": accuracy,
-            "acc_se": math.sqrt(accuracy * (1 - accuracy) / count),
-            "score": sum(r["score"] for r in rows) / count,
-            "response_length": sum(r["response_length"] for r in rows) / count,
-            "truncated": sum(r["truncated"] for r in rows),
-        }
-    return summary
-
-
-def evaluate(
-    engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], reward_fn: RewardFn, n: int = 1, temperature: float = 0.0,
-    max_new_tokens: int = 256, batch_size: int = 16, agent: AgentLoop | None = None,
-) -> list[dict]:
-    """One record per response of a rollout engine (a multi-turn `agent`'s trajectories on it): prompt,
-    response, its scores (`score`, `acc`, and any the reward function adds)."""
-    request = RolloutRequest(n, max_new_tokens, batch_size, temperature or 1.0, top_p=1.0, top_k=-1, do_sample=temperature > 0,
-                             calculate_log_probs=False)
-    responses = generate(engine, agent, prompts, request)
-    scored = score_responses(reward_fn, tokenizer, prompts, responses, n, "")
-    records = []
-    for index, (response, scores) in enumerate(zip(responses, scored)):
-        prompt = prompts[index // n]
-        records.append({"index": index // n, "data_source": prompt.data_source, "prompt": prompt.messages, "ground_truth": prompt.ground_truth,
-                        "truncated": response.truncated, **scores,
-                        **({} if response.trace is None else {"tool_calls": response.trace.tool_calls, "turns": response.trace.messages})})
-    return records
-
-
-def validate_on_ranks(engine: RolloutEngine, prompts: Sequence[Prompt], reward_fn: RewardFn, tokenizer: PreTrainedTokenizerBase, n: int,
-                      temperature: float, max_new_tokens: int, batch_size: int, parallel: Parallel, agent: AgentLoop | None = None) -> dict[str, float]:
-    """The GRPO trainer's validation: accuracy and mean reward per data_source (verl's `val-core/` metrics), each
-    rank answering a share of the prompts."""
-    mine = list(prompts[parallel.rank :: parallel.world_size])
-    # Every rank calls the engine, with or without prompts: a tensor-parallel engine needs all of its ranks.
-    records = evaluate(engine, tokenizer, mine, reward_fn, n, temperature, max_new_tokens, batch_size, agent)
-    metrics = {}
-    for source, figures in summarize(gather_lists(records)).items():
-        metrics[f"val-core/{source}/acc/mean@{n}"] = figures["acc"]
-        metrics[f"val-core/{source}/reward/mean@{n}"] = figures["score"]
-    return metrics
+from fsdptrain.rl.sampling import RolloutRequest
+from fsdptrain.rl.validation import evaluate, summarize
 
 
 def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBase, max_model_len: int, seed: int, device: torch.device,
@@ -141,23 +84,31 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     engine = build_engine(args.backend, args.model_dir, tokenizer, max(len(p.ids) for p in prompts) + args.max_new_tokens, args.seed,
                           device, compute_dtype(args.dtype, device))
-    agent = None
-    if tools:
-        settings = MultiTurnSettings(args.max_turns, max_user_turns=None, max_parallel_calls=1, max_tool_response_length=256,
-                                     tool_response_truncate_side="middle", format="hermes", tokenization_sanity_check_mode="disable",
-                                     tool_timeout_s=30.0)
-        agent = AgentLoop(engine, tokenizer, settings, tools, {}, template_kwargs)
-    records = evaluate(engine, tokenizer, prompts, reward_fn, args.n, args.temperature, args.max_new_tokens, args.batch_size, agent)
-    if args.out:
-        with open(args.out, "w") as f:
+    settings = MultiTurnSettings(args.max_turns, max_user_turns=None, max_parallel_calls=1, max_tool_response_length=256,
+                                 tool_response_truncate_side="middle", format="hermes", tokenization_sanity_check_mode="disable", tool_timeout_s=30.0)
+    name = "tool_agent" if tools else "single_turn_agent"  # every prompt is answered by the loop the flags give
+    for prompt in prompts:
+        prompt.agent_name = name
+    loops = {name: AGENT_LOOPS[name](LoopContext(engine, tokenizer, settings if tools else None, tools, {}, template_kwargs))}
+    request = RolloutRequest(args.n, args.max_new_tokens, args.batch_size, args.temperature or 1.0, top_p=1.0, top_k=-1,
+                             do_sample=args.temperature > 0, calculate_log_probs=False)
+    score = lambda responses, prompts, ids: score_responses(reward_fn, tokenizer, prompts, responses, ids, "")  # noqa: E731
+    report(evaluate(engine, loops, prompts, score, request), args.out, args.summary)
+
+
+def report(records: list[dict], out: str | None, summary_path: str | None) -> None:
+    """The per-data_source table on the screen; the records as JSON lines at `out`, the table's figures as JSON at
+    `summary_path`."""
+    if out:
+        with open(out, "w") as f:
             for record in records:
                 f.write(json.dumps(record, default=str) + "\n")
     summary = summarize(records)
     print(f"{'data_source':<24} {'n':>6} {'acc':>7} {'± se':>7} {'score':>7} {'length':>7} {'truncated':>9}")
     for source, s in summary.items():
         print(f"{source:<24} {s['n']:>6} {s['acc']:>7.3f} {s['acc_se']:>7.3f} {s['score']:>7.3f} {s['response_length']:>7.1f} {s['truncated']:>9}")
-    if args.summary:
-        with open(args.summary, "w") as f:
+    if summary_path:
+        with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
 
 

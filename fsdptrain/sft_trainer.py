@@ -5,16 +5,18 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from fsdptrain.config.sft import load_sft_config
 from fsdptrain.config.verl_keys import translate_argv
+from fsdptrain.trainer.report import user_errors_reported
 from fsdptrain.trainer.sft import run_sft
+from fsdptrain.trainer.sft_plan import read_sft_config
 
 command_line_problems: list[str] = []  # verl keys it cannot take, reported with the config's own problems
 
 
 @hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_sft(load_sft_config(cfg, command_line_problems))
+    with user_errors_reported():
+        run_sft(read_sft_config(cfg, command_line_problems))
 
 
 if __name__ == "__main__":

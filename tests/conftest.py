@@ -16,8 +16,9 @@ import torch
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
-from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
+from fsdptrain.trainer.grpo_plan import read_grpo_config
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -174,8 +175,8 @@ def grpo_config_problems(*overrides: str) -> str:
     """The ConfigError that loading the GRPO config with `overrides` raises."""
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
         with pytest.raises(ConfigError) as error:
-            load_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
-                                                                             *overrides]))
+            read_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
+                                                                             *overrides]), world=World(0, 1, 1, torch.device("cpu")))
     return str(error.value)
 
 

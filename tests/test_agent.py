@@ -27,6 +27,7 @@ from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS, ToolCall, parse_her
 from fsdptrain.rl.agent.tools import BaseTool, CalculatorTool, evaluate_arithmetic, load_tools
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import Scorer
+from fsdptrain.rl.rollout.base import group_ids
 from fsdptrain.rl.rollout.hf import HFRollout
 
 from conftest import REPO, save_tiny_model
@@ -363,7 +364,7 @@ def test_tool_rewards_and_scores_reach_the_reward_function(tool_model, tokenizer
         seen.append(extra_info)
         return float(sum(extra_info["tool_rewards"]) + extra_info["rollout_reward_scores"].get("calculator", 0.0))
 
-    scores = Scorer(reward, tokenizer, n=8, overlong=None)(generations, prompts, "step 1")
+    scores = Scorer(reward, tokenizer, overlong=None)(generations, prompts, group_ids(len(prompts), 8), "step 1")
     for g, scored, info in zip(generations, scores, seen):
         assert info["num_turns"] == g.trace.num_turns and info["tools_kwargs"] == extra["tools_kwargs"]
         assert scored["score"] == (0.25 + 11.0 if g.trace.tool_calls else 0.0)
@@ -411,3 +412,63 @@ def test_evaluate_answers_with_the_tool(tmp_path, tool_model):
         roles = ["assistant", "tool", "assistant"] if record["tool_calls"] else ["assistant"]
         assert [t["role"] for t in record["turns"]] == roles and record["response"].endswith("#### 408")
         assert record["tool_calls"] == 0 or record["turns"][1]["content"] == "408"
+
+
+def test_each_row_is_answered_by_the_loop_its_agent_name_names(tool_model, tokenizer):
+    """verl's `agent_name`: in one batch, rows naming single_turn_agent get the engine's one turn, rows naming
+    tool_agent the multi-turn loop's trajectories, and a user's registered loop its own answers, each in the row's
+    place (n in a row) and each what its loop gives the row alone."""
+    from fsdptrain.rl.agent.loop import AGENT_LOOPS, LoopContext
+    from fsdptrain.rl.rollout.base import Generation
+    from fsdptrain.rl.sampling import RolloutRequest, generate
+
+    @AGENT_LOOPS.register("echo_test")
+    def echo(context):
+        class Echo:
+            def generate(self, prompts, *, n, **request):
+                return [Generation(p.ids, p.ids[-3:], [1, 1, 1], None, False) for p in prompts for _ in range(n)]
+        return Echo()
+
+    try:
+        engine = HFRollout(tool_model, torch.device("cpu"), torch.float32, pad_id=2)
+        context = LoopContext(engine, tokenizer, SETTINGS, {"calculator": CalculatorTool()}, {}, {})
+        loops = {name: AGENT_LOOPS[name](context) for name in ("echo_test", "single_turn_agent", "tool_agent")}
+        prompts = prompts_for(tokenizer, 6)
+        names = ["tool_agent", "single_turn_agent", "echo_test", "single_turn_agent", "tool_agent", "echo_test"]
+        for prompt, name in zip(prompts, names):
+            prompt.agent_name = name
+        request = RolloutRequest(n=2, max_new_tokens=96, batch_size=8, temperature=1.0, top_p=1.0, top_k=-1, do_sample=False,
+                                 calculate_log_probs=False)
+        generations = generate(engine, loops, prompts, request)
+        assert len(generations) == 12
+        for name in set(names):
+            rows = [i for i, n in enumerate(names) if n == name]
+            alone = loops[name].generate([prompts[i] for i in rows], n=2, max_new_tokens=96, batch_size=8, temperature=1.0, do_sample=False)
+            mine = [generations[2 * i + k] for i in rows for k in range(2)]
+            assert [g.response_ids for g in mine] == [g.response_ids for g in alone], name
+            assert all((g.trace is not None) == (name == "tool_agent") for g in mine), name
+        assert any(g.trace.tool_calls for i, g in enumerate(generations) if names[i // 2] == "tool_agent")
+    finally:
+        del AGENT_LOOPS.entries["echo_test"], AGENT_LOOPS.info["echo_test"]
+
+
+def test_a_row_naming_no_registered_loop_is_refused_naming_the_row(tmp_path, tiny_llama, tokenizer):
+    from hydra import compose, initialize_config_module
+
+    from fsdptrain.distributed.mesh import World
+    from fsdptrain.trainer.grpo import load_rl_prompts
+    from fsdptrain.trainer.grpo_plan import plan_grpo, read_grpo_config
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "data_source": "arithmetic", "reward_model": {"ground_truth": "4"},
+             "agent_name": name} for name in (None, "single_turn_agent", "react_agent")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    world = World(0, 1, 1, torch.device("cpu"))
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = read_grpo_config(compose(config_name="grpo_trainer", overrides=[f"data.train_files={tmp_path / 'train.parquet'}",
+                                                                                 f"actor_rollout_ref.model.path={tiny_llama}"]), world=world)
+    plan = plan_grpo(config, world, pad_id=2)
+    with pytest.raises(ConfigError, match=r"data.train_files row 2: agent_name='react_agent' is not a registered agent loop \(single_turn_agent\|tool_agent\)"):
+        load_rl_prompts(config, plan, [str(tmp_path / "train.parquet")], tokenizer, "data.train_files", {}, {})
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "train.parquet")
+    prompts = load_rl_prompts(config, plan, [str(tmp_path / "train.parquet")], tokenizer, "data.train_files", {}, {})
+    assert [p.agent_name for p in prompts] == ["single_turn_agent", "single_turn_agent"]  # the default where the row names none

@@ -3,22 +3,32 @@
 import sys
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
-from fsdptrain.config.grpo import check_rl_layout, load_grpo_config
-from fsdptrain.config.sft import load_sft_config
-from fsdptrain.config.shared import check_batch_layout
+from fsdptrain.data.micro_batches import check_batch_layout
+from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
+from fsdptrain.trainer.grpo_plan import check_layout, plan_grpo, read_grpo_config, resolve_reward_function
+from fsdptrain.trainer.sft_plan import micro_batching, read_sft_config
 
 from conftest import torchrun
 
 REQUIRED = ["data.train_files=train.parquet", "model.partial_pretrain=/models/x"]
 
 
+ONE_PROCESS = World(rank=0, world_size=1, host_processes=1, device=torch.device("cpu"))
+
+
+def world(size: int, host_processes: int = 0) -> World:
+    """`size` processes; `host_processes` of them share one CPU host's memory (0: on GPUs)."""
+    return World(0, size, host_processes or size, torch.device("cpu" if host_processes else "cuda"))
+
+
 def config(*overrides):
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-        return load_sft_config(compose(config_name="sft_trainer", overrides=[*REQUIRED, *overrides]))
+        return read_sft_config(compose(config_name="sft_trainer", overrides=[*REQUIRED, *overrides]), world=ONE_PROCESS)
 
 
 def test_defaults_and_nested_override():
@@ -66,7 +76,7 @@ def test_bad_values_are_named(override, message):
 
 def test_batch_sizes_that_do_not_divide_are_rejected_with_their_numbers():
     cfg = config("data.train_batch_size=10", "data.micro_batch_size_per_gpu=2", "data.use_dynamic_bsz=false")
-    layout = lambda dp: check_batch_layout(cfg.data.train_batch_size, "data.train_batch_size", cfg.micro_batching, dp)  # noqa: E731
+    layout = lambda dp: check_batch_layout(cfg.data.train_batch_size, "data.train_batch_size", micro_batching(cfg), dp)  # noqa: E731
     with pytest.raises(ConfigError, match=r"data.train_batch_size \(10\) must be divisible by the data-parallel size \(4\)"):
         layout(4)
     with pytest.raises(ConfigError, match=r"10 / 2 = 5 samples per rank must be divisible by data.micro_batch_size_per_gpu \(2\)"):
@@ -87,15 +97,15 @@ def test_batch_sizes_that_do_not_divide_are_rejected_with_their_numbers():
     ],
 )
 def test_micro_batches_are_cut_by_tokens_where_the_loss_allows(overrides, dynamic, max_tokens):
-    batching = config(*overrides).micro_batching
+    batching = micro_batching(config(*overrides))
     assert (batching.dynamic, batching.max_tokens) == (dynamic, max_tokens)
 
 
 # ---- the GRPO trainer's config -------------------------------------------------------------------------------------
 def grpo_config(*overrides):
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-        return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
-            "data.train_files=train.parquet", "actor_rollout_ref.model.path=/models/x", *overrides]))
+        return read_grpo_config(compose(config_name="grpo_trainer", overrides=[
+            "data.train_files=train.parquet", "actor_rollout_ref.model.path=/models/x", *overrides]), world=world(2))
 
 
 @pytest.mark.parametrize(
@@ -135,6 +145,7 @@ def grpo_config(*overrides):
         (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=0"], "max_num_seqs must be > 0"),
         (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=pt"], "load_format must be one of dummy"),
         (["actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout must be > 0"),
+        (["actor_rollout_ref.rollout.agent.default_agent_loop=react_agent"], "default_agent_loop must be one of single_turn_agent|tool_agent"),
     ],
 )
 def test_bad_grpo_values_are_named(overrides, message):
@@ -145,25 +156,25 @@ def test_bad_grpo_values_are_named(overrides, message):
 def test_an_engine_must_span_whole_groups_of_ranks():
     config = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                          "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6")
-    check_rl_layout(config, dp_size=2, world_size=2)
+    check_layout(config, world(2))
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size \(2\) must divide the number of processes \(3\)"):
-        check_rl_layout(config, dp_size=3, world_size=3)
+        check_layout(config, world(3))
 
 
 def test_vllm_engines_on_cpu_may_not_take_the_training_processes_memory():
-    config = grpo_config("actor_rollout_ref.rollout.name=vllm")  # gpu_memory_utilization 0.5: right for one engine a GPU
-    check_rl_layout(config, dp_size=2, world_size=2)
-    check_rl_layout(config, dp_size=1, world_size=1, cpu_processes=1)
+    config = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.5")  # right for one engine a GPU
+    check_layout(config, world(2))
+    check_layout(config, world(1, host_processes=1))
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.5 on CPU: each of this host's 2 vLLM engines .* at most 0.40"):
-        check_rl_layout(config, dp_size=2, world_size=2, cpu_processes=2)
-    check_rl_layout(grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"),
-                    dp_size=2, world_size=2, cpu_processes=2)
+        check_layout(config, world(2, host_processes=2))
+    check_layout(grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"),
+                 world(2, host_processes=2))
 
 
 def test_newer_verls_reward_keys_are_accepted():
-    config = grpo_config("reward.custom_reward_function.path=mine.py", "reward.custom_reward_function.name=score_it")
-    assert (config.custom_reward_function.path, config.custom_reward_function.name) == ("mine.py", "score_it")
-    assert grpo_config("reward.custom_reward_function.path=mine.py").custom_reward_function.name == "compute_score"
+    function = resolve_reward_function(grpo_config("reward.custom_reward_function.path=mine.py", "reward.custom_reward_function.name=score_it"))
+    assert (function.path, function.name) == ("mine.py", "score_it")
+    assert resolve_reward_function(grpo_config("reward.custom_reward_function.path=mine.py")).name == "compute_score"
 
 
 def test_rollout_correction_under_top_p_warns():
@@ -182,3 +193,18 @@ def test_vllm_without_vllm_names_the_install_command(monkeypatch):
 def test_gspo_with_another_aggregation_warns():
     with pytest.warns(UserWarning, match="seq-mean-token-mean"):
         grpo_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo")
+
+
+@pytest.mark.parametrize("tp, host_processes, device, share", [(1, 2, "cpu", 0.4), (2, 2, "cpu", 0.8), (1, 1, "cpu", 0.8), (1, 4, "cpu", 0.2),
+                                                                (1, 8, "cuda", 0.5)])
+def test_the_default_vllm_memory_share_fits_the_machine(tp, host_processes, device, share):
+    """gpu_memory_utilization=null (the default): on CPU the host's engines share 0.8 of its memory, whatever their
+    count; on a GPU, verl's 0.5 for the one engine a GPU. An explicit value is kept (and checked, above)."""
+    config = grpo_config("actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    machine = World(0, host_processes, host_processes, torch.device(device))
+    check_layout(config, machine)
+    plan = plan_grpo(config, machine, pad_id=0)
+    assert plan.engine.vllm.gpu_memory_utilization == pytest.approx(share)
+    explicit = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.1")
+    assert plan_grpo(explicit, machine, pad_id=0).engine.vllm.gpu_memory_utilization == 0.1

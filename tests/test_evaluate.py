@@ -25,7 +25,7 @@ from fsdptrain.rl.rewards import (
     score_responses,
     score_sample,
 )
-from fsdptrain.rl.rollout.base import Generation
+from fsdptrain.rl.rollout.base import Generation, group_ids
 
 from conftest import REPO
 
@@ -198,12 +198,12 @@ def test_responses_are_scored_against_their_own_prompt(arithmetic, tokenizer):
     texts = [f"#### {prompts[0].ground_truth}", "#### nothing", "#### 0", f"#### {prompts[1].ground_truth}"]
     ids = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
     responses = [Generation(prompts[i // 2].ids, response, [1] * len(response), None, False) for i, response in enumerate(ids)]
-    scored = score_responses(default_compute_score, tokenizer, prompts, responses, 2, "")
+    scored = score_responses(default_compute_score, tokenizer, prompts, responses, group_ids(len(prompts), 2), "")
     assert [s["response"] for s in scored] == texts  # special tokens dropped
     assert [s["response_length"] for s in scored] == [len(response) for response in ids]
     assert [s["acc"] for s in scored] == [1.0, 0.0, float(prompts[1].ground_truth == "0"), 1.0]
     with pytest.raises(RewardError, match=r"failed on batch 3, prompt 1 \(arithmetic\), response 0: ZeroDivisionError"):
-        score_responses(lambda source, text, truth, extra: 1 / (text != texts[2]), tokenizer, prompts, responses, 2, "batch 3, ")
+        score_responses(lambda source, text, truth, extra: 1 / (text != texts[2]), tokenizer, prompts, responses, group_ids(len(prompts), 2), "batch 3, ")
 
 
 def test_overlong_penalty_falls_linearly_over_the_buffer():

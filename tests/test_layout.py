@@ -1,8 +1,13 @@
-"""The package's shape, as docs/architecture.md states it: no import cycle between modules, the RL components
-take explicit settings (no rl module reads the config), the config takes its allowed names from the dispatch
-tables, and no function grows past ~60 lines without a reason written beside it."""
+"""The package's shape, as docs/architecture.md states it: no import cycle between modules nor between packages,
+the config at the bottom (it imports nothing of fsdptrain's above it, and no torch), the RL components take
+explicit settings (no rl module reads a trainer's config), names are checked against registries that their
+modules fill, and no function grows past ~60 lines without a reason written beside it."""
 
 import ast
+import subprocess
+import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -50,23 +55,52 @@ def test_no_module_imports_itself_back():
             visit(name, [name])
 
 
+def package(module: str) -> str:
+    """A module's package under fsdptrain (`fsdptrain.rl`), or the top-level module itself (`fsdptrain.errors`)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_package_imports_itself_back():
+    trees = modules()
+    graph: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        graph.setdefault(package(name), set()).update(package(m) for m in imports(tree, set(trees)) if package(m) != package(name))
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph.get(name, ())):
+            assert state.get(target) != "open", "package cycle: " + " -> ".join([*path[path.index(target):], target])
+            if target not in state:
+                visit(target, [*path, target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_the_config_imports_nothing_above_it():
+    trees = modules()
+    for name, tree in trees.items():
+        if name.startswith("fsdptrain.config"):
+            above = {m for m in imports(tree, set(trees)) if not m.startswith("fsdptrain.config") and m != "fsdptrain.errors"}
+            assert not above, f"{name} imports {above}: the config is the ground floor (the plan resolves names and sizes)"
+
+
+def test_importing_the_config_loads_no_torch():
+    code = "import sys, fsdptrain.config.grpo, fsdptrain.config.sft, fsdptrain.config.verl_keys; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers', 'peft', 'vllm'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", loaded
+
+
 def test_rl_components_do_not_read_the_config():
     trees = modules()
     for name, tree in trees.items():
         if name.startswith("fsdptrain.rl"):
-            config_imports = {m for m in imports(tree, set(trees)) if m.startswith("fsdptrain.config.") and m != "fsdptrain.config.shared"}
+            config_imports = {m for m in imports(tree, set(trees)) if m.startswith("fsdptrain.config.") and m != "fsdptrain.config.base"}
             assert not config_imports, f"{name} imports {config_imports}: pass it explicit settings instead"
-
-
-def test_allowed_names_come_from_the_dispatch_tables():
-    from fsdptrain.config import grpo
-    from fsdptrain.rl import core_algos, rewards, rollout, sampling
-
-    assert grpo.POLICY_LOSSES == tuple(core_algos.POLICY_LOSS)
-    assert grpo.LOSS_AGG_MODES == tuple(core_algos.LOSS_AGG)
-    assert grpo.KL_ESTIMATORS == tuple(core_algos.KL_PENALTY)
-    assert set(grpo.ADVANTAGE_ESTIMATORS) == set(core_algos.GROUP_ADVANTAGE) | set(core_algos.TOKEN_ADVANTAGE) | set(core_algos.CRITIC_ADVANTAGE)
-    assert grpo.ENGINES is rollout.ENGINES and grpo.FILTER_KEYS is sampling.FILTER_KEYS and grpo.VERIFIERS is rewards.VERIFIERS
 
 
 def test_long_functions_say_why():
@@ -78,3 +112,38 @@ def test_long_functions_say_why():
                 assert lines[first - 2].strip().startswith(REASON), (
                     f"{path.relative_to(REPO)}:{node.lineno} {node.name} is {node.end_lineno - node.lineno + 1} lines: split it, or say why "
                     f"on the line above ({REASON} ...)")
+
+
+def test_a_registered_name_is_accepted_without_touching_the_config(tmp_path):
+    """A new estimator, loss, engine or tool-call format is its function and its registration: the plan accepts
+    its name with no other change, and refuses an unregistered one naming the key."""
+    import torch
+    from hydra import compose, initialize_config_module
+
+    from fsdptrain.distributed.mesh import World
+    from fsdptrain.errors import ConfigError
+    from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
+    from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, grpo_advantages, vanilla_policy_loss
+    from fsdptrain.rl.rollout import ROLLOUT_ENGINES
+    from fsdptrain.trainer.grpo_plan import read_grpo_config
+
+    keys = {"algorithm.adv_estimator": ADVANTAGE_ESTIMATORS, "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
+            "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES, "actor_rollout_ref.rollout.multi_turn.format": TOOL_CALL_FORMATS}
+    entries = {"algorithm.adv_estimator": grpo_advantages, "actor_rollout_ref.actor.policy_loss.loss_mode": vanilla_policy_loss}
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools: []\n")
+
+    def read(key: str, value: str):
+        overrides = ["data.train_files=x.parquet", "actor_rollout_ref.model.path=m", f"{key}={value}",
+                     "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"]
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            return read_grpo_config(compose(config_name="grpo_trainer", overrides=overrides), world=World(0, 1, 1, torch.device("cpu")))
+
+    for key, registry in keys.items():
+        with pytest.raises(ConfigError, match=f"{key} must be one of .*got 'throwaway'"):
+            read(key, "throwaway")
+        registry.register("throwaway", kind="group")(entries.get(key, lambda *args: None))
+        try:
+            assert read(key, "throwaway")
+        finally:
+            del registry.entries["throwaway"], registry.info["throwaway"]

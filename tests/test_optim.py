@@ -7,7 +7,7 @@ import torch
 
 from fsdptrain.config.base import defaults, to_typed
 from fsdptrain.config.sft import SFTOptimConfig
-from fsdptrain.trainer.optim import build_optimizer, clipped_step, lr_factor
+from fsdptrain.optim import build_optimizer, clipped_step, lr_factor
 
 
 def optim_config(**overrides) -> SFTOptimConfig:

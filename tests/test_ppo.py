@@ -15,7 +15,9 @@ from hydra import compose, initialize_config_module
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.verl_keys import translate
+from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
+from fsdptrain.trainer.grpo_plan import read_grpo_config, uses_critic
 
 from checks.common import relative_gap
 from conftest import read_metrics, save_tiny_model, torchrun
@@ -139,14 +141,14 @@ def test_verls_ppo_examples_load_with_every_key_known(tmp_path, capsys, name):
     assert "critic.model.fsdp_config.optimizer_offload" in capsys.readouterr().err
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
         config = load_grpo_config(compose(config_name="grpo_trainer", overrides=overrides))
-    assert config.uses_critic and config.critic.optim.lr == 1e-5 and config.critic.model.path == "/models/x"
+    assert uses_critic(config) and config.critic.optim.lr == 1e-5 and config.critic.model.path == "/models/x"
 
 
 def test_ppo_settings_that_cannot_work_are_named():
     def load(*overrides):
         with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-            return load_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
-                                                                                   *overrides]))
+            return read_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
+                                                                                   *overrides]), world=World(0, 1, 1, torch.device("cpu")))
 
     with pytest.raises(ConfigError) as error:
         load("algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2", "algorithm.lam=1.5", "critic.cliprange_value=0")
@@ -160,7 +162,7 @@ def test_ppo_settings_that_cannot_work_are_named():
         load("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "algorithm.filter_groups.enable=true")
     with pytest.raises(ConfigError, match="needs the critic's values"):
         load("algorithm.adv_estimator=gae", "critic.enable=false")
-    assert not load().uses_critic and load("algorithm.adv_estimator=gae").uses_critic
+    assert not uses_critic(load()) and uses_critic(load("algorithm.adv_estimator=gae"))
 
 
 @pytest.mark.slow

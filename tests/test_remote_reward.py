@@ -25,7 +25,7 @@ from starlette.routing import Route
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.remote_reward import RemoteReward, RemoteRewardError
 from fsdptrain.rl.rewards import load_reward_function
-from fsdptrain.rl.rollout.base import Generation
+from fsdptrain.rl.rollout.base import Generation, group_ids
 
 from conftest import REPO, free_port, read_metrics, torchrun, wait_until_serving
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
@@ -94,7 +94,7 @@ def test_each_failure_is_retried_then_named(fault_server, tokenizer, mode, failu
     generations, prompts = rollout(6)
     start, before = time.monotonic(), requests.get(mode, 0)
     with pytest.raises(RemoteRewardError) as error:
-        client(f"{url}/{mode}", tokenizer)(generations, prompts, 2)
+        client(f"{url}/{mode}", tokenizer)(generations, prompts, group_ids(len(prompts), 2))
     assert f"reward_model.remote_rm_url={url}/{mode}: batch" in str(error.value) and "failed 3 times" in str(error.value)
     assert failure in str(error.value)
     assert requests[mode] - before <= 2 * 3  # two batches, three tries at most each
@@ -105,7 +105,7 @@ def test_each_failure_is_retried_then_named(fault_server, tokenizer, mode, failu
 def test_answers_slow_answers_and_recoveries_give_the_servers_rewards(fault_server, tokenizer, mode):
     url, _ = fault_server
     generations, prompts = rollout(6)
-    rewards = client(f"{url}/{mode}", tokenizer, retries=3)(generations, prompts, 2)
+    rewards = client(f"{url}/{mode}", tokenizer, retries=3)(generations, prompts, group_ids(len(prompts), 2))
     expected = [float(len(tokenizer.decode(prompts[i // 2].ids) + tokenizer.decode(g.response_ids, skip_special_tokens=True)))
                 for i, g in enumerate(generations)]
     assert rewards == expected
@@ -135,6 +135,28 @@ def test_the_reward_server_answers_its_functions_scores_to_concurrent_clients(re
         assert reply["rewards"] == pytest.approx(expected, abs=1e-12) and reply["scores"] == reply["rewards"]
     bad = httpx.post(reward_server, json={"query": ["a"], "labels": ["1", "2"]}, timeout=10.0)
     assert bad.status_code == 400 and "differ in length" in bad.json()["error"]
+
+
+@pytest.mark.slow
+def test_validation_is_scored_by_the_server_as_training_is(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    """A run scored by a remote server alone (no reward function) validates with the server's scores: a server that
+    gives 0.5 to every text gives a validation reward of 0.5 (it was 0 when validation used the reward function)."""
+    (tmp_path / "half.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tests.checks.reward_server_check", str(tmp_path / "half.py"), str(port)], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/get_reward"
+    try:
+        wait_until_serving(url, server)
+        out = str(tmp_path / "run")
+        torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, reward_model__remote_rm_url=url, custom_reward_function__path="null",
+                                                        trainer__total_training_steps=1, trainer__test_freq=1))
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    (metrics,) = read_metrics(out)
+    assert metrics["critic/score/mean"] == 0.5
+    assert metrics["val-core/arithmetic/reward/mean@1"] == 0.5 and metrics["val-core/arithmetic/acc/mean@1"] == 1.0
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from fsdptrain.rl.rollout import ENGINES
+from fsdptrain.rl.rollout import ROLLOUT_ENGINES
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.hf import HFRollout
 from fsdptrain.rl.rollout.vllm import VLLMRollout
@@ -25,7 +25,7 @@ def test_every_method_takes_the_contracts_arguments(engine):
 
 
 def test_every_named_engine_is_built():
-    assert set(ENGINES) == {"hf", "vllm"}
+    assert set(ROLLOUT_ENGINES) == {"hf", "vllm"}
 
 
 def test_a_built_engine_is_a_rollout_engine(tiny_llama):

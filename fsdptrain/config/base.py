@@ -57,15 +57,26 @@ def error_line(error: OmegaConfBaseException, key: str | None = None) -> str:
     return f"{key or getattr(error, 'full_key', None) or 'config'}: {getattr(error, 'msg', str(error)).splitlines()[0]}"
 
 
-def check_all(checks: Sequence[Callable[[], None]], problems: Sequence[str] = ()) -> None:
-    """Run every check (each a config section's validation); one ConfigError holding each failure and the earlier
-    `problems` (the command line's unknown keys), so that a config with three mistakes reports three."""
-    failures = list(problems)
+def failures(checks: Sequence[Callable[[], None]]) -> list[str]:
+    """The message of each check that raises a ConfigError."""
+    found = []
     for check in checks:
         try:
             check()
         except ConfigError as e:
-            failures.append(str(e))
+            found.append(str(e))
+    return found
+
+
+def check_all(checks: Sequence[Callable[[], None]], problems: Sequence[str] = ()) -> None:
+    """Run every check (each a config section's validation); one ConfigError holding each failure and the earlier
+    `problems` (the command line's unknown keys), so that a config with three mistakes reports three."""
+    failures_found = [*problems, *failures(checks)]
+    raise_problems(failures_found)
+
+
+def raise_problems(failures: Sequence[str]) -> None:
+    """One ConfigError holding each of `failures`, if there are any."""
     if len(failures) == 1:
         raise ConfigError(failures[0])
     if failures:

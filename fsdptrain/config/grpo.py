@@ -1,13 +1,14 @@
-"""The GRPO trainer's config (verl's ppo_trainer.yaml names): each section followed by its validation, then the
-checks that span sections, and those that need the number of ranks.
+"""The GRPO trainer's config (verl's ppo_trainer.yaml names): each section followed by its own checks.
 
-Allowed names come from the dispatch tables they select from (core_algos, the rollout engines, dynamic sampling's
-filter keys), so a new estimator, loss or engine is allowed where it is defined.
+This is the ground floor: it imports nothing of fsdptrain's but the config's own modules and `errors`. Names that
+select an implementation (estimators, losses, engines, verifiers, tool-call formats) are plain strings here; the
+plan (trainer/grpo_plan.py) checks them against their registries, with every rule that spans sections or needs
+the number of ranks, and derives the sizes.
 """
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,27 +18,18 @@ from fsdptrain.config.base import check_all, one_of, positive, to_typed
 from fsdptrain.config.shared import (
     FSDPConfig,
     LanguageModelConfig,
-    MicroBatching,
     ModelConfig,
     OptimConfig,
     TrainerConfig,
     check_adapter_export,
     validate_data_files,
     validate_fsdp,
-    validate_micro_batching,
     validate_model,
     validate_optim,
     validate_sequence_parallel,
     validate_trainer,
 )
 from fsdptrain.errors import ConfigError
-from fsdptrain.rl.agent.loop import TRUNCATE_SIDES
-from fsdptrain.rl.agent.templates import SANITY_CHECK_MODES
-from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
-from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, CRITIC_ADVANTAGE, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-from fsdptrain.rl.rewards import VERIFIERS
-from fsdptrain.rl.rollout import ENGINES
-from fsdptrain.rl.sampling import FILTER_KEYS
 
 ACTOR, ROLLOUT, CRITIC = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 
@@ -107,9 +99,6 @@ def validate_actor(actor: ActorConfig, packed: bool) -> None:
         positive(f"{ACTOR}.{key}", getattr(actor, key))
     if actor.clip_ratio_c <= 1:
         raise ConfigError(f"{ACTOR}.clip_ratio_c must be > 1 (dual clip bounds -A * c), got {actor.clip_ratio_c}")
-    one_of(f"{ACTOR}.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES)
-    one_of(f"{ACTOR}.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    one_of(f"{ACTOR}.kl_loss_type", actor.kl_loss_type.rstrip("+"), KL_ESTIMATORS)
     validate_sequence_parallel(actor.ulysses_sequence_parallel_size, packed, f"{ACTOR}.ulysses_sequence_parallel_size",
                                "actor_rollout_ref.model.use_remove_padding")
     if actor.skip_zero_advantage and (actor.entropy_coeff != 0 or actor.use_kl_loss):
@@ -152,9 +141,13 @@ def validate_multi_turn(multi_turn: MultiTurnConfig) -> None:
         positive(f"{key}.{name}", getattr(multi_turn, name), allow_none=True)
     for name in ("max_parallel_calls", "max_tool_response_length", "tool_timeout_s"):
         positive(f"{key}.{name}", getattr(multi_turn, name))
-    one_of(f"{key}.tool_response_truncate_side", multi_turn.tool_response_truncate_side, TRUNCATE_SIDES)
-    one_of(f"{key}.format", multi_turn.format, tuple(TOOL_CALL_FORMATS))
-    one_of(f"{key}.tokenization_sanity_check_mode", multi_turn.tokenization_sanity_check_mode, SANITY_CHECK_MODES)
+    one_of(f"{key}.tool_response_truncate_side", multi_turn.tool_response_truncate_side, ("left", "middle", "right"))
+    one_of(f"{key}.tokenization_sanity_check_mode", multi_turn.tokenization_sanity_check_mode, ("strict", "ignore_strippable", "disable"))
+
+
+@dataclass
+class AgentConfig:
+    default_agent_loop: str | None
 
 
 @dataclass
@@ -170,7 +163,7 @@ class RolloutConfig:
     val_kwargs: ValKwargsConfig
     update_weights_bucket_megabytes: int
     tensor_model_parallel_size: int
-    gpu_memory_utilization: float
+    gpu_memory_utilization: float | None  # None: the largest share that fits the host (CPU), verl's 0.5 (GPU)
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
@@ -178,19 +171,16 @@ class RolloutConfig:
     free_cache_engine: bool
     load_format: str
     multi_turn: MultiTurnConfig
-
-
-HOST_MEMORY_FOR_ENGINES = 0.8  # on CPU: the share of host memory all of a host's vLLM engines may take together
+    agent: AgentConfig
 
 
 def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
-    one_of(f"{ROLLOUT}.name", rollout.name, tuple(ENGINES))
     if rollout.name == "vllm":
         positive(f"{ROLLOUT}.tensor_model_parallel_size", rollout.tensor_model_parallel_size)
         if rollout.tensor_model_parallel_size > 1 and sp_size > 1:
             raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size > 1 with actor.ulysses_sequence_parallel_size > 1 is "
                               "not supported: both split the ranks' prompts")
-        if not 0 < rollout.gpu_memory_utilization <= 1:
+        if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
             raise ConfigError(f"{ROLLOUT}.gpu_memory_utilization must be in (0, 1], got {rollout.gpu_memory_utilization}")
         for key in ("max_num_seqs", "max_num_batched_tokens"):
             positive(f"{ROLLOUT}.{key}", getattr(rollout, key))
@@ -260,15 +250,6 @@ def validate_critic(critic: CriticConfig) -> None:
     for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "forward_micro_batch_size_per_gpu", "ppo_epochs", "grad_clip",
                 "cliprange_value"):
         positive(f"{CRITIC}.{key}", getattr(critic, key))
-    one_of(f"{CRITIC}.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
-
-
-def check_critic_mesh(critic: CriticConfig, actor_sp_size: int) -> None:
-    validate_sequence_parallel(critic.ulysses_sequence_parallel_size, critic.model.use_remove_padding, f"{CRITIC}.ulysses_sequence_parallel_size",
-                               f"{CRITIC}.model.use_remove_padding")
-    if critic.ulysses_sequence_parallel_size != actor_sp_size:
-        raise ConfigError(f"{CRITIC}.ulysses_sequence_parallel_size ({critic.ulysses_sequence_parallel_size}) must equal "
-                          f"{ACTOR}.ulysses_sequence_parallel_size ({actor_sp_size}): the run has one data x sequence parallel mesh")
 
 
 @dataclass
@@ -309,28 +290,17 @@ class AlgorithmConfig:
     advantage_clip: float | None
 
 
-def validate_algorithm(algorithm: AlgorithmConfig, rollout: RolloutConfig, use_kl_loss: bool) -> None:
-    one_of("algorithm.adv_estimator", algorithm.adv_estimator, ADVANTAGE_ESTIMATORS)
-    if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} compares responses of one prompt: "
-                          f"{ROLLOUT}.n must be >= 2, got {rollout.n}")
+def validate_algorithm(algorithm: AlgorithmConfig) -> None:
     for key in ("gamma", "lam"):
         if not 0 <= getattr(algorithm, key) <= 1:
             raise ConfigError(f"algorithm.{key} must be in [0, 1], got {getattr(algorithm, key)}")
     if algorithm.use_kl_in_reward:
-        one_of("algorithm.kl_penalty", algorithm.kl_penalty.rstrip("+"), KL_ESTIMATORS)
         one_of("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ("fixed", "adaptive"))
         if algorithm.kl_ctrl.type == "adaptive":
             positive("algorithm.kl_ctrl.horizon", algorithm.kl_ctrl.horizon)
             positive("algorithm.kl_ctrl.target_kl", algorithm.kl_ctrl.target_kl)
-        if use_kl_loss:
-            warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
-                          "reference: it is counted twice", stacklevel=3)
     filter_groups = algorithm.filter_groups
     if filter_groups.enable:
-        if rollout.n < 2:
-            raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {rollout.n}")
-        one_of("algorithm.filter_groups.metric", filter_groups.metric, tuple(FILTER_KEYS))
         positive("algorithm.filter_groups.max_num_gen_batches", filter_groups.max_num_gen_batches)
         if filter_groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
             raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: groups are "
@@ -339,19 +309,11 @@ def validate_algorithm(algorithm: AlgorithmConfig, rollout: RolloutConfig, use_k
     one_of("algorithm.rollout_correction.rollout_is", correction.rollout_is, (None, "token", "sequence"))
     if correction.rollout_is is not None:
         positive("algorithm.rollout_correction.rollout_is_threshold", correction.rollout_is_threshold)
-        if rollout.top_p < 1 or rollout.top_k > 0:
-            warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
-                          "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
-                          stacklevel=3)
 
 
-def validate_reward_shaping(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
-    def norm() -> None:
-        one_of("algorithm.reward_norm", algorithm.reward_norm, (None, "batch", "group", "running"))
-        if algorithm.reward_norm == "group" and rollout.n < 2:
-            raise ConfigError(f"algorithm.reward_norm=group normalizes over each prompt's responses: {ROLLOUT}.n must be >= 2, got {rollout.n}")
-
-    check_all([norm, lambda: positive("algorithm.reward_clip", algorithm.reward_clip, allow_none=True),
+def validate_reward_shaping(algorithm: AlgorithmConfig) -> None:
+    check_all([lambda: one_of("algorithm.reward_norm", algorithm.reward_norm, (None, "batch", "group", "running")),
+               lambda: positive("algorithm.reward_clip", algorithm.reward_clip, allow_none=True),
                lambda: positive("algorithm.advantage_clip", algorithm.advantage_clip, allow_none=True)])
 
 
@@ -381,8 +343,6 @@ def validate_reward_sources(sources: list[RewardSourceConfig]) -> None:
         key = f"reward.sources[{i}]"
         if not source.name or "/" in source.name or source.name in names[:i]:
             raise ConfigError(f"{key}.name={source.name!r}: each source needs its own name (without '/'; it names its metric)")
-        if source.path is None:
-            one_of(f"{key}.function", source.function, tuple(VERIFIERS))
         if not math.isfinite(source.weight):
             raise ConfigError(f"{key}.weight must be a finite number, got {source.weight}")
 
@@ -423,37 +383,6 @@ class RewardModelConfig:
     remote: RemoteRewardConfig
     launch_reward_fn_async: bool
     overlong_buffer: OverlongBufferConfig
-
-
-def resolve_reward_function(legacy: CustomRewardConfig, newer: CustomRewardConfig) -> CustomRewardConfig:
-    """The custom reward function from custom_reward_function.* or newer verl's reward.custom_reward_function.*."""
-    if newer.path is None:
-        if newer.name is not None:
-            raise ConfigError("reward.custom_reward_function.name is set without reward.custom_reward_function.path")
-        return legacy
-    if legacy.path is not None and legacy.path != newer.path:
-        raise ConfigError(f"custom_reward_function.path ({legacy.path}) and reward.custom_reward_function.path ({newer.path}) "
-                          "disagree: set one of them")
-    return CustomRewardConfig(newer.path, newer.name or legacy.name)
-
-
-def check_one_reward_definition(config: "GRPOConfig") -> None:
-    if config.reward.sources and (config.custom_reward_function.path or config.reward.custom_reward_function.path):
-        raise ConfigError("reward.sources with a custom_reward_function.path: list the function among the sources "
-                          "({name: ..., path: FILE, function: NAME, weight: ...})")
-
-
-def check_reward_model_layout(config: "GRPOConfig") -> None:
-    sp = config.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-    if config.reward_model.enable and sp > 1:
-        raise ConfigError("reward_model.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1: the reward model "
-                          "scores whole sequences on each rank; sequence parallelism for it is not built yet")
-    if config.reward_model.launch_reward_fn_async:
-        reason = ("the reward model's forward passes are collectives of the training processes" if config.reward_model.enable else
-                  "dynamic sampling filters groups on their scores before the step goes on" if config.algorithm.filter_groups.enable else
-                  "the ranks of a Ulysses group share their scored groups" if sp > 1 else None)
-        if reason:
-            raise ConfigError(f"reward_model.launch_reward_fn_async=true cannot score in the background here: {reason}")
 
 
 def validate_reward_model(reward_model: RewardModelConfig, max_response_length: int) -> None:
@@ -505,124 +434,32 @@ class GRPOConfig:
     reward_model: RewardModelConfig
     trainer: GRPOTrainerConfig
 
-    @property
-    def sequence_length(self) -> int:
-        return self.data.max_prompt_length + self.data.max_response_length
 
-    @property
-    def uses_critic(self) -> bool:
-        """critic.enable, or where it is null, whether the advantage estimator needs a critic."""
-        enable = self.critic.enable
-        return self.algorithm.adv_estimator in CRITIC_ADVANTAGE if enable is None else enable
-
-    def micro_batching(self, size: int, size_key: str) -> MicroBatching:
-        """The actor's forward passes: `size` sequences, or (use_dynamic_bsz=null, packed rows) a token budget
-        worth `size` sequences of the longest length: every RL loss here divides by the mini-batch's global
-        counts, so the cut never changes it."""
-        actor = self.actor_rollout_ref.actor
-        return self.batching(size, size_key, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{ACTOR}.ppo_max_token_len_per_gpu",
-                             self.actor_rollout_ref.model.use_remove_padding, ACTOR)
-
-    def batching(self, size: int, size_key: str, dynamic: bool | None, max_tokens: int | None, max_tokens_key: str, packed: bool,
-                 prefix: str) -> MicroBatching:
-        if dynamic is None:
-            dynamic = packed
-            if dynamic and max_tokens is None:
-                max_tokens = size * self.sequence_length
-        return MicroBatching(size, dynamic, max_tokens, size_key, f"{prefix}.use_dynamic_bsz", max_tokens_key)
-
-    @property
-    def update_batching(self) -> MicroBatching:
-        return self.micro_batching(self.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
-
-    def critic_batching(self, forward: bool) -> MicroBatching:
-        """The critic's forward passes: of its values (`forward`), or of its update."""
-        critic = self.critic
-        size_key = "forward_micro_batch_size_per_gpu" if forward else "ppo_micro_batch_size_per_gpu"
-        tokens_key = "forward_max_token_len_per_gpu" if forward else "ppo_max_token_len_per_gpu"
-        return self.batching(getattr(critic, size_key), f"{CRITIC}.{size_key}", critic.use_dynamic_bsz, getattr(critic, tokens_key),
-                             f"{CRITIC}.{tokens_key}", critic.model.use_remove_padding, CRITIC)
-
-
-def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfig:
-    """Type-check and validate a GRPO config, section by section: one error naming each bad key and its numbers,
-    with the command line's `problems` (verl_keys.translate's)."""
-    config: GRPOConfig = to_typed(cfg, GRPOConfig, problems)
+def own_checks(config: GRPOConfig) -> list[Callable[[], None]]:
+    """The checks of each section's own values. The rules that span sections, the names of registered
+    implementations and the sizes that need the number of ranks are the plan's (trainer/grpo_plan.py)."""
     data, model = config.data, config.actor_rollout_ref.model
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    check_all([
+    return [
         lambda: validate_data_files(data, ("max_prompt_length", "max_response_length", "train_batch_size")),
         lambda: validate_rl_model(model),
         lambda: positive("actor_rollout_ref.nccl_timeout", config.actor_rollout_ref.nccl_timeout),
         lambda: validate_actor(actor, model.use_remove_padding),
         lambda: validate_grpo_trainer(config.trainer),
         lambda: check_adapter_export(config.trainer.checkpoint, model, "actor_rollout_ref.model"),
-        lambda: validate_micro_batching(config.update_batching, config.sequence_length, "data.max_prompt_length + data.max_response_length"),
         lambda: validate_rollout(rollout, actor.ulysses_sequence_parallel_size),
         lambda: positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
-        lambda: validate_algorithm(config.algorithm, rollout, actor.use_kl_loss),
-        lambda: validate_reward_shaping(config.algorithm, rollout),
-        *([lambda: validate_critic(config.critic), lambda: check_critic_mesh(config.critic, actor.ulysses_sequence_parallel_size),
-           lambda: check_critic_batches(config)]
-          if config.uses_critic else []),
-        lambda: check_critic_estimator(config),
+        lambda: validate_algorithm(config.algorithm),
+        lambda: validate_reward_shaping(config.algorithm),
         lambda: validate_reward_model(config.reward_model, data.max_response_length),
         lambda: validate_reward_sources(config.reward.sources),
-        lambda: check_one_reward_definition(config),
-        lambda: check_reward_model_layout(config),
-        lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
-        lambda: setattr(config, "custom_reward_function", resolve_reward_function(config.custom_reward_function,
-                                                                                   config.reward.custom_reward_function)),
-    ], problems)
+    ]
+
+
+def load_grpo_config(cfg: DictConfig, problems: Sequence[str] = ()) -> GRPOConfig:
+    """Type-check a GRPO config and check each section's own values: one error naming each bad key and its
+    numbers, with the command line's `problems` (verl_keys.translate's). The trainer reads its config with
+    trainer/grpo_plan.py's `read_grpo_config`, which adds the plan's checks to the same error."""
+    config: GRPOConfig = to_typed(cfg, GRPOConfig, problems)
+    check_all(own_checks(config), problems)
     return config
-
-
-def check_mini_batches(train_batch_size: int, mini_batch_size: int, key: str = f"{ACTOR}.ppo_mini_batch_size") -> None:
-    if train_batch_size % mini_batch_size:
-        raise ConfigError(f"data.train_batch_size ({train_batch_size}) must be divisible by {key} ({mini_batch_size})")
-
-
-def check_critic_batches(config: GRPOConfig) -> None:
-    check_mini_batches(config.data.train_batch_size, config.critic.ppo_mini_batch_size, f"{CRITIC}.ppo_mini_batch_size")
-    for forward in (False, True):
-        validate_micro_batching(config.critic_batching(forward), config.sequence_length, "data.max_prompt_length + data.max_response_length")
-
-
-def check_critic_estimator(config: GRPOConfig) -> None:
-    estimator = config.algorithm.adv_estimator
-    if estimator in CRITIC_ADVANTAGE and not config.uses_critic:
-        raise ConfigError(f"algorithm.adv_estimator={estimator} needs the critic's values: remove critic.enable=false")
-    if config.uses_critic and estimator not in CRITIC_ADVANTAGE:
-        raise ConfigError(f"critic.enable=true with algorithm.adv_estimator={estimator}: that estimator does not use the critic's "
-                          f"values; use algorithm.adv_estimator={'|'.join(CRITIC_ADVANTAGE)}, or remove critic.enable")
-    if config.trainer.critic_warmup and not config.uses_critic:
-        raise ConfigError(f"trainer.critic_warmup={config.trainer.critic_warmup} without a critic (algorithm.adv_estimator={estimator}, "
-                          f"critic.enable={config.critic.enable}): there is nothing to warm up")
-
-
-def check_rl_layout(config: GRPOConfig, dp_size: int, world_size: int, cpu_processes: int = 0) -> None:
-    """Sizes that depend on the number of ranks, checked once the world is known. `cpu_processes`: the training
-    processes that share this host's memory when they run on CPU (0 on GPUs)."""
-    data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    n, tp = rollout.n, rollout.tensor_model_parallel_size
-    if world_size % tp:
-        raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world_size}): "
-                          "each engine spans that many consecutive ranks")
-    engines = max(cpu_processes // tp, 1)
-    if cpu_processes and rollout.name == "vllm" and rollout.gpu_memory_utilization * engines > HOST_MEMORY_FOR_ENGINES:
-        raise ConfigError(f"{ROLLOUT}.gpu_memory_utilization={rollout.gpu_memory_utilization} on CPU: each of this host's {engines} "
-                          f"vLLM engines takes that share of host memory ({rollout.gpu_memory_utilization * engines:.2f} in all, "
-                          f"the training processes need the rest); set it to at most {HOST_MEMORY_FOR_ENGINES / engines:.2f}")
-    if data.train_batch_size % dp_size:
-        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
-                          "each rank generates for whole prompts")
-    layouts = [(ACTOR, actor.ppo_mini_batch_size, config.update_batching)]
-    if config.uses_critic:
-        layouts.append((CRITIC, config.critic.ppo_mini_batch_size, config.critic_batching(forward=False)))
-    for prefix, mini_batch_size, batching in layouts:
-        if mini_batch_size % dp_size:
-            raise ConfigError(f"{prefix}.ppo_mini_batch_size ({mini_batch_size}) must be divisible by the data-parallel size ({dp_size})")
-        per_rank = mini_batch_size // dp_size * n
-        if not batching.dynamic and per_rank % batching.size:
-            raise ConfigError(f"{prefix}.ppo_mini_batch_size / dp * n = {per_rank} sequences per rank must be divisible by "
-                              f"{batching.size_key} ({batching.size})")

@@ -1,6 +1,6 @@
 """The SFT trainer's config (verl's sft_trainer.yaml names) and its validation."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,13 +10,11 @@ from fsdptrain.config.base import check_all, positive, to_typed
 from fsdptrain.config.shared import (
     FSDPConfig,
     LanguageModelConfig,
-    MicroBatching,
     OptimConfig,
     TrainerConfig,
     check_adapter_export,
     validate_data_files,
     validate_fsdp,
-    validate_micro_batching,
     validate_model,
     validate_optim,
     validate_sequence_parallel,
@@ -93,29 +91,12 @@ class SFTConfig:
     use_remove_padding: bool
     ulysses_sequence_parallel_size: int
 
-    @property
-    def micro_batching(self) -> MicroBatching:
-        """data.use_dynamic_bsz=null: a token budget of micro_batch_size_per_gpu x max_length (no micro-batch holds
-        more tokens than the count-based one could) where the cut cannot change the loss, else a sample count."""
-        data = self.data
-        dynamic, max_tokens = data.use_dynamic_bsz, data.max_token_len_per_gpu
-        if dynamic is None:
-            dynamic = self.use_remove_padding and data.balance_dp_token
-            if dynamic and max_tokens is None:
-                max_tokens = data.micro_batch_size_per_gpu * data.max_length
-        return MicroBatching(
-            data.micro_batch_size_per_gpu, dynamic, max_tokens,
-            "data.micro_batch_size_per_gpu", "data.use_dynamic_bsz", "data.max_token_len_per_gpu",
-        )
 
-
-def load_sft_config(cfg: DictConfig, problems: Sequence[str] = ()) -> SFTConfig:
-    """Type-check and validate an SFT config, every section: one error naming each bad key, with the command
-    line's `problems` (verl_keys.translate's)."""
-    config: SFTConfig = to_typed(cfg, SFTConfig, problems)
-    check_all([
+def own_checks(config: SFTConfig) -> list[Callable[[], None]]:
+    """The checks of each section's own values; the sizes that need the number of ranks are the plan's
+    (trainer/sft_plan.py)."""
+    return [
         lambda: validate_data(config.data),
-        lambda: validate_micro_batching(config.micro_batching, config.data.max_length, "data.max_length"),
         lambda: validate_sft_model(config.model),
         lambda: validate_optim(config.optim, "optim"),
         lambda: positive("optim.clip_grad", config.optim.clip_grad),
@@ -124,5 +105,13 @@ def load_sft_config(cfg: DictConfig, problems: Sequence[str] = ()) -> SFTConfig:
         lambda: positive("trainer.nccl_timeout", config.trainer.nccl_timeout),
         lambda: validate_sequence_parallel(config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size",
                                            "use_remove_padding"),
-    ], problems)
+    ]
+
+
+def load_sft_config(cfg: DictConfig, problems: Sequence[str] = ()) -> SFTConfig:
+    """Type-check an SFT config and check each section's own values: one error naming each bad key, with the
+    command line's `problems` (verl_keys.translate's). The trainer reads its config with trainer/sft_plan.py's
+    `read_sft_config`, which adds the plan's checks to the same error."""
+    config: SFTConfig = to_typed(cfg, SFTConfig, problems)
+    check_all(own_checks(config), problems)
     return config

@@ -5,10 +5,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdptrain.config.base import as_path_list, check_all, one_of, positive
-from fsdptrain.dtypes import DTYPES
 from fsdptrain.errors import ConfigError
 
-DTYPE_NAMES = tuple(DTYPES)
+DTYPE_NAMES = ("fp32", "bf16")  # the names dtypes.DTYPES maps to torch's dtypes
 TRUNCATIONS = ("error", "left", "right")
 
 
@@ -208,43 +207,6 @@ def validate_data_files(data: Any, sizes: tuple[str, ...]) -> None:
     for key in sizes:
         positive(f"data.{key}", getattr(data, key))
     one_of("data.truncation", data.truncation, TRUNCATIONS)
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How one rank's share of a batch is cut into forward passes, with the keys it came from (SFT and GRPO
-    name them differently) so that errors name the user's key."""
-
-    size: int
-    dynamic: bool
-    max_tokens: int | None
-    size_key: str
-    dynamic_key: str
-    max_tokens_key: str
-
-
-def validate_micro_batching(batching: MicroBatching, max_length: int, max_length_key: str) -> None:
-    positive(batching.size_key, batching.size)
-    if batching.dynamic:
-        if batching.max_tokens is None:
-            raise ConfigError(f"{batching.max_tokens_key} is required when {batching.dynamic_key}=true")
-        if batching.max_tokens < max_length:
-            raise ConfigError(
-                f"{batching.max_tokens_key} ({batching.max_tokens}) must be >= {max_length_key} ({max_length}) "
-                "so that every sample fits one micro-batch"
-            )
-
-
-def check_batch_layout(batch_size: int, batch_size_key: str, batching: MicroBatching, dp_size: int) -> None:
-    """Sizes that depend on the number of data-parallel ranks, checked once the world is known."""
-    if batch_size % dp_size:
-        raise ConfigError(f"{batch_size_key} ({batch_size}) must be divisible by the data-parallel size ({dp_size})")
-    per_rank = batch_size // dp_size
-    if not batching.dynamic and per_rank % batching.size:
-        raise ConfigError(
-            f"{batch_size_key} / dp = {batch_size} / {dp_size} = {per_rank} samples per rank "
-            f"must be divisible by {batching.size_key} ({batching.size})"
-        )
 
 
 def validate_sequence_parallel(sp_size: int, packed: bool, sp_key: str, packed_key: str) -> None:

@@ -11,11 +11,12 @@ from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.config.sft import DataConfig
 from fsdptrain.data.chat import RowError, normalize_messages, tokenize_conversation, tokenize_prompt_response
+from fsdptrain.errors import UserError
 
 log = logging.getLogger("fsdptrain")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data file or row that cannot be used; the message names the file and the row."""
 
 

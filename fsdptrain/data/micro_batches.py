@@ -19,12 +19,50 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdptrain.config.shared import MicroBatching
+from fsdptrain.config.base import positive
 from fsdptrain.data.batching import min_token_micro_batches, split_by_count, split_by_tokens
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.ulysses import shard_sequence
+from fsdptrain.errors import ConfigError
 from fsdptrain.models.loss import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one rank's share of a batch is cut into forward passes, with the keys it came from (SFT and GRPO
+    name them differently) so that errors name the user's key."""
+
+    size: int
+    dynamic: bool
+    max_tokens: int | None
+    size_key: str
+    dynamic_key: str
+    max_tokens_key: str
+
+
+def validate_micro_batching(batching: MicroBatching, max_length: int, max_length_key: str) -> None:
+    positive(batching.size_key, batching.size)
+    if batching.dynamic:
+        if batching.max_tokens is None:
+            raise ConfigError(f"{batching.max_tokens_key} is required when {batching.dynamic_key}=true")
+        if batching.max_tokens < max_length:
+            raise ConfigError(
+                f"{batching.max_tokens_key} ({batching.max_tokens}) must be >= {max_length_key} ({max_length}) "
+                "so that every sample fits one micro-batch"
+            )
+
+
+def check_batch_layout(batch_size: int, batch_size_key: str, batching: MicroBatching, dp_size: int) -> None:
+    """Sizes that depend on the number of data-parallel ranks, checked once the world is known."""
+    if batch_size % dp_size:
+        raise ConfigError(f"{batch_size_key} ({batch_size}) must be divisible by the data-parallel size ({dp_size})")
+    per_rank = batch_size // dp_size
+    if not batching.dynamic and per_rank % batching.size:
+        raise ConfigError(
+            f"{batch_size_key} / dp = {batch_size} / {dp_size} = {per_rank} samples per rank "
+            f"must be divisible by {batching.size_key} ({batching.size})"
+        )
 
 
 @dataclass

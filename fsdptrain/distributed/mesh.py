@@ -40,6 +40,23 @@ class Parallel:
         return self.mesh.get_group("sp") if self.sp_size > 1 else None
 
 
+@dataclass(frozen=True)
+class World:
+    """The processes of the run as torchrun describes them to each, known before the process group starts (a
+    plain `python -m` run is one process): what a trainer's plan checks its sizes against."""
+
+    rank: int
+    world_size: int
+    host_processes: int  # training processes on this host, which share its memory when they run on CPU
+    device: torch.device
+
+
+def world_from_environment(device_preference: str) -> World:
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    return World(int(os.environ.get("RANK", 0)), world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                 resolve_device(device_preference))
+
+
 def resolve_device(preference: str) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is available")

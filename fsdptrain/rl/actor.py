@@ -14,15 +14,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from fsdptrain.config.shared import MicroBatching
 from fsdptrain.data.dataset import Sample
-from fsdptrain.data.micro_batches import MicroBatch, forward_batches, plan_micro_batches
+from fsdptrain.data.micro_batches import MicroBatch, MicroBatching, forward_batches, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum
 from fsdptrain.distributed.ulysses import gather_sequence
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
+from fsdptrain.optim import clipped_step
 from fsdptrain.rl import core_algos
-from fsdptrain.trainer.optim import clipped_step
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,8 @@ class ForwardSettings:
 class LossSettings:
     """The policy loss (actor_rollout_ref.actor.*): `kl_coef` None without the KL loss."""
 
-    loss_mode: str  # a key of core_algos.POLICY_LOSS
-    agg_mode: str  # a key of core_algos.LOSS_AGG
+    loss_mode: str  # a name in core_algos.POLICY_LOSSES
+    agg_mode: str  # a name in core_algos.LOSS_AGG_MODES
     clip_low: float
     clip_high: float
     clip_c: float
@@ -151,7 +150,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         sequence_log_ratio = None
         if loss_settings.loss_mode == "gspo":
             sequence_log_ratio = sequence_mean(log_probs.detach() - old, mask, targets, num_sequences, parallel)
-        pg, clipped, lower = core_algos.POLICY_LOSS[loss_settings.loss_mode](
+        pg, clipped, lower = core_algos.POLICY_LOSSES[loss_settings.loss_mode](
             log_probs, old, targets["advantage"], mask, sequence_log_ratio, loss_settings.clip_low, loss_settings.clip_high, loss_settings.clip_c)
         if "rollout_is_weight" in targets:
             pg = pg * targets["rollout_is_weight"]

@@ -3,6 +3,7 @@ then an estimator of core_algos (a group estimator's value on every token, REINF
 critic's values, with the returns the critic learns), whitened over every rank where the estimator is."""
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,18 @@ from fsdptrain.distributed.reductions import all_reduce_sum
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.rollout.base import Generation
 from fsdptrain.rl.samples import aligned
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """How rewards become advantages (algorithm.*, verl's names)."""
+
+    estimator: str  # a name in core_algos.ADVANTAGE_ESTIMATORS
+    norm_by_std: bool  # norm_adv_by_std_in_grpo
+    gamma: float
+    lam: float
+    kl_penalty: str  # the KL estimator of the KL in the reward (algorithm.use_kl_in_reward)
+    clip: float | None  # algorithm.advantage_clip
 
 
 def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> list[torch.Tensor]:
@@ -42,20 +55,19 @@ def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], ge
     return {"actor/reward_kl_penalty": total / count, "actor/reward_kl_penalty_coeff": beta}
 
 
-def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], n: int, estimator: str, norm_by_std: bool,
-                     gamma: float, parallel: Parallel) -> list[torch.Tensor]:
-    """Each response's per-token advantages (responses of one prompt are `n` in a row): a group estimator's value
-    (from the summed rewards) on every token, or a token estimator's; WHITENED_ESTIMATORS whitened over every
-    rank's response tokens."""
-    masks = [g.mask for g in generations]
-    if estimator in core_algos.TOKEN_ADVANTAGE:
-        advantages = [core_algos.TOKEN_ADVANTAGE[estimator](reward, mask, gamma) for reward, mask in zip(token_rewards, masks)]
+def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], group_ids: torch.Tensor, estimator: str,
+                     norm_by_std: bool, gamma: float, parallel: Parallel) -> list[torch.Tensor]:
+    """Each response's per-token advantages (`group_ids`: each response's group): a group estimator's value
+    (from the summed rewards) on every token, or a token estimator's; those registered `whitened` whitened over
+    every rank's response tokens."""
+    masks, registry = [g.mask for g in generations], core_algos.ADVANTAGE_ESTIMATORS
+    if registry.info[estimator]["kind"] == "token":
+        advantages = [registry[estimator](reward, mask, gamma) for reward, mask in zip(token_rewards, masks)]
     else:
         scores = torch.stack([reward.sum() for reward in token_rewards])
-        groups = torch.arange(len(scores)) // n
-        per_sequence = core_algos.group_advantages(scores, groups, estimator, norm_by_std)
+        per_sequence = core_algos.group_advantages(scores, group_ids, estimator, norm_by_std)
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
-    return whitened(advantages, masks, parallel) if estimator in core_algos.WHITENED_ESTIMATORS else advantages
+    return whitened(advantages, masks, parallel) if registry.info[estimator].get("whitened") else advantages
 
 
 def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation], estimator: str,
@@ -65,7 +77,7 @@ def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sampl
     advantages, returns = [], []
     for reward, sample, generation in zip(token_rewards, samples, generations):
         values = sample.token_values["values"][len(generation.prompt_ids):]
-        advantage, sample_returns = core_algos.CRITIC_ADVANTAGE[estimator](reward, values, generation.mask, gamma, lam)
+        advantage, sample_returns = core_algos.ADVANTAGE_ESTIMATORS[estimator](reward, values, generation.mask, gamma, lam)
         advantages.append(advantage)
         returns.append(sample_returns * generation.mask)
     return whitened(advantages, [g.mask for g in generations], parallel), returns

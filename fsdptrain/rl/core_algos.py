@@ -7,14 +7,27 @@ whole sequence (its token count, GSPO's mean log-ratio) comes in per token, so t
 slice of a batch.
 """
 
-from collections.abc import Callable
-
 import torch
+
+from fsdptrain.registry import Registry
+
+# Each estimator registers its kind: "group" maps one prompt's scores (n,) to its responses' advantages (scores,
+# norm_by_std, eps); "token" one response's per-token rewards and mask to its advantages (token_rewards, mask,
+# gamma); "critic" one response's per-token rewards, the critic's values, its mask, gamma and lambda to its
+# (advantages, returns). `whitened`: whitened afterwards over the whole batch's tokens (every rank's).
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
+# Each loss: (log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low, clip_high, clip_c) ->
+# (per-token loss, clipped mask, lower-clipped mask).
+POLICY_LOSSES: Registry = Registry("policy loss")
+# Each mode: (masked per-token loss, sequence_tokens, global tokens, global sequences, Dr. GRPO's norm) -> scalar.
+LOSS_AGG_MODES: Registry = Registry("loss aggregation mode")
+# Each estimator: (log_probs, ref_log_probs) -> per-token KL estimates; a name may take a `+` suffix.
+KL_ESTIMATORS: Registry = Registry("KL estimator")
 
 
 # ---- advantages -----------------------------------------------------------------------------------------------
-# Each group estimator maps one prompt's scores (n,) to its responses' advantages; a one-sample group has mean 0
-# (and, for grpo, std 1).
+# A one-sample group has mean 0 (and, for grpo, std 1).
+@ADVANTAGE_ESTIMATORS.register("grpo", kind="group")
 def grpo_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
     """(s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean."""
     n = len(scores)
@@ -23,33 +36,31 @@ def grpo_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torc
     return (scores - mean) / (std + eps) if norm_by_std else scores - mean
 
 
+@ADVANTAGE_ESTIMATORS.register("rloo", kind="group")
 def rloo_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
     """n / (n - 1) (s - mean): the leave-one-out baseline."""
     n = len(scores)
     return (scores - scores.mean()) * n / (n - 1) if n > 1 else torch.zeros_like(scores)
 
 
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", kind="group", whitened=True)
 def baseline_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
     """s - mean (REINFORCE++ with a group baseline; the batch whitening follows in the caller, over every rank)."""
     mean = scores.mean() if len(scores) > 1 else torch.zeros((), dtype=scores.dtype)
     return scores - mean
 
 
-GROUP_ADVANTAGE: dict[str, Callable[[torch.Tensor, bool, float], torch.Tensor]] = {
-    "grpo": grpo_advantages, "rloo": rloo_advantages, "reinforce_plus_plus_baseline": baseline_advantages,
-}
-
-
 def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Per-sequence advantages from per-sequence scores (B,) and group ids (B,) (sequences of one prompt), by the
-    group estimator `estimator` of GROUP_ADVANTAGE."""
+    group estimator `estimator` of ADVANTAGE_ESTIMATORS."""
     advantages = torch.empty_like(scores)
     for group in groups.unique():
         members = groups == group
-        advantages[members] = GROUP_ADVANTAGE[estimator](scores[members], norm_by_std, eps)
+        advantages[members] = ADVANTAGE_ESTIMATORS[estimator](scores[members], norm_by_std, eps)
     return advantages
 
 
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", kind="token", whitened=True)
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """REINFORCE++'s returns of one response (tokens,): sum of gamma^k r_{t+k} over its generated tokens (mask 1).
     Tokens off the mask (a tool's, an environment's) are skipped, not a reset: verl's reset there would cut a
@@ -62,10 +73,7 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return returns * mask
 
 
-# Each token estimator maps one response's per-token rewards and mask to its per-token advantages.
-TOKEN_ADVANTAGE: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {"reinforce_plus_plus": discounted_returns}
-
-
+@ADVANTAGE_ESTIMATORS.register("gae", kind="critic", whitened=True)
 def gae_advantages_returns(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
                            lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation over one response (tokens,), as verl's compute_gae_advantage_return
@@ -82,16 +90,6 @@ def gae_advantages_returns(token_rewards: torch.Tensor, values: torch.Tensor, ma
         next_advantage = torch.where(mask[t] > 0, advantage, next_advantage)
         advantages[t] = next_advantage
     return advantages, advantages + values
-
-
-# Each critic estimator maps one response's per-token rewards, the critic's values, its mask, gamma and lambda to
-# its per-token (advantages, returns).
-CRITIC_ADVANTAGE: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": gae_advantages_returns,
-}
-ADVANTAGE_ESTIMATORS = (*GROUP_ADVANTAGE, *TOKEN_ADVANTAGE, *CRITIC_ADVANTAGE)
-GROUP_ESTIMATORS = tuple(GROUP_ADVANTAGE)
-WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")  # whitened over the whole batch's tokens
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, total: float, total_squares: float, count: float, eps: float = 1e-8) -> torch.Tensor:
@@ -119,20 +117,31 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequence_tokens: torch.Tens
     over global sequences. seq-mean-token-mean: per-sequence token means, averaged likewise.
     seq-mean-token-sum-norm: token sums / (loss_scale_factor or max_response_length), averaged over sequences
     (Dr. GRPO)."""
-    return LOSS_AGG[mode](loss * mask, sequence_tokens, global_tokens, global_sequences, loss_scale_factor or max_response_length)
+    return LOSS_AGG_MODES[mode](loss * mask, sequence_tokens, global_tokens, global_sequences, loss_scale_factor or max_response_length)
 
 
-# Each mode: (masked per-token loss, sequence_tokens, global tokens, global sequences, Dr. GRPO's norm) -> scalar.
-LOSS_AGG: dict[str, Callable[[torch.Tensor, torch.Tensor, float, float, float], torch.Tensor]] = {
-    "token-mean": lambda masked, sequence_tokens, tokens, sequences, norm: masked.sum() / max(tokens, 1.0),
-    "seq-mean-token-sum": lambda masked, sequence_tokens, tokens, sequences, norm: masked.sum() / max(sequences, 1.0),
-    "seq-mean-token-mean": lambda masked, sequence_tokens, tokens, sequences, norm: (masked / sequence_tokens.clamp(min=1)).sum() / max(sequences, 1.0),
-    "seq-mean-token-sum-norm": lambda masked, sequence_tokens, tokens, sequences, norm: masked.sum() / norm / max(sequences, 1.0),
-}
-LOSS_AGG_MODES = tuple(LOSS_AGG)
+@LOSS_AGG_MODES.register("token-mean")
+def token_mean(masked: torch.Tensor, sequence_tokens: torch.Tensor, tokens: float, sequences: float, norm: float) -> torch.Tensor:
+    return masked.sum() / max(tokens, 1.0)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum")
+def seq_mean_token_sum(masked: torch.Tensor, sequence_tokens: torch.Tensor, tokens: float, sequences: float, norm: float) -> torch.Tensor:
+    return masked.sum() / max(sequences, 1.0)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-mean")
+def seq_mean_token_mean(masked: torch.Tensor, sequence_tokens: torch.Tensor, tokens: float, sequences: float, norm: float) -> torch.Tensor:
+    return (masked / sequence_tokens.clamp(min=1)).sum() / max(sequences, 1.0)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(masked: torch.Tensor, sequence_tokens: torch.Tensor, tokens: float, sequences: float, norm: float) -> torch.Tensor:
+    return masked.sum() / norm / max(sequences, 1.0)
 
 
 # ---- policy losses ------------------------------------------------------------------------------------------------
+@POLICY_LOSSES.register("vanilla")
 def vanilla_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low: float, clip_high: float, clip_c: float):
     """PPO's clipped surrogate with dual clip: per-token loss max(-A r, -A clip(r, 1-low, 1+high)), and for A < 0
     at most -A c. Returns (per-token loss, clipped mask, lower-clipped mask)."""
@@ -146,6 +155,7 @@ def vanilla_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log
     return loss, (clipped > unclipped).float() * mask, lower.float() * mask
 
 
+@POLICY_LOSSES.register("gspo")
 def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low: float, clip_high: float, clip_c: float):
     """GSPO: the sequence-level ratio s_i = exp(`sequence_log_ratio`, the mean log(pi / pi_old) over the response,
     detached, on each of its tokens) carried to each token as s_i exp(logp_t - sg[logp_t]); two-sided clip, no
@@ -155,9 +165,6 @@ def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ra
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float() * mask, torch.zeros_like(mask)
 
-
-POLICY_LOSS: dict[str, Callable] = {"vanilla": vanilla_policy_loss, "gspo": gspo_policy_loss}
-POLICY_LOSSES = tuple(POLICY_LOSS)
 
 
 # ---- the critic's loss ---------------------------------------------------------------------------------------------
@@ -195,21 +202,28 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         value = kl_penalty(log_probs, ref_log_probs, estimator[:-1])
         gradient = kl_penalty(log_probs, ref_log_probs, "k2")
         return gradient + (value - gradient).detach()
-    return KL_PENALTY[estimator](log_probs, ref_log_probs)
+    return KL_ESTIMATORS[estimator](log_probs, ref_log_probs)
 
 
-def _low_var_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+@KL_ESTIMATORS.register("kl", "k1")
+def log_ratio_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return log_probs - ref_log_probs
+
+
+@KL_ESTIMATORS.register("abs")
+def abs_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return (log_probs - ref_log_probs).abs()
+
+
+@KL_ESTIMATORS.register("mse", "k2")
+def squared_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (log_probs - ref_log_probs).square()
+
+
+@KL_ESTIMATORS.register("low_var_kl", "k3")
+def low_var_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     reverse = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
     return (torch.exp(reverse) - reverse - 1).clamp(-10.0, 10.0)
-
-
-KL_PENALTY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "kl": lambda log_probs, ref: log_probs - ref, "k1": lambda log_probs, ref: log_probs - ref,
-    "abs": lambda log_probs, ref: (log_probs - ref).abs(),
-    "mse": lambda log_probs, ref: 0.5 * (log_probs - ref).square(), "k2": lambda log_probs, ref: 0.5 * (log_probs - ref).square(),
-    "low_var_kl": _low_var_kl, "k3": _low_var_kl,
-}
-KL_ESTIMATORS = tuple(KL_PENALTY)  # each may take a `+` suffix
 
 
 # ---- the KL coefficient of the reward ---------------------------------------------------------------------------

@@ -15,9 +15,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim.lr_scheduler import LRScheduler
 
-from fsdptrain.config.shared import MicroBatching
 from fsdptrain.data.dataset import Sample
-from fsdptrain.data.micro_batches import forward_batches, plan_micro_batches
+from fsdptrain.data.micro_batches import MicroBatching, forward_batches, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.models.loss import IGNORE_INDEX, with_sp_group
 from fsdptrain.rl import core_algos
@@ -33,7 +32,7 @@ class ValueLossSettings:
     """The value loss (critic.*)."""
 
     clip_range: float  # cliprange_value
-    agg_mode: str  # a key of core_algos.LOSS_AGG
+    agg_mode: str  # a name in core_algos.LOSS_AGG_MODES
     loss_scale_factor: float | None
     max_response_length: int
 

@@ -1,6 +1,6 @@
 """Prompts for RL and evaluation from verl's parquet layout: `prompt` (a chat message list), `data_source`,
 `reward_model` (a struct with `ground_truth` and `style`) or a flat `ground_truth` column, and optional
-`extra_info`. Every row is checked and its prompt tokenized (chat template with the generation prompt) at load."""
+`extra_info` and `agent_name` (verl's: the agent loop that answers the row). Every row is checked and its prompt tokenized (chat template with the generation prompt) at load."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ class Prompt:
     data_source: str
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
+    agent_name: str | None = None  # the row's agent loop (rl/agent/loop.py's AGENT_LOOPS); None: the run's default
 
 
 def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict, tools: list[dict] | None) -> Prompt:
@@ -38,7 +39,10 @@ def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, tem
     text = render(tokenizer, messages, tools, True, template_kwargs)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     extra_info = columns["extra_info"][row] if "extra_info" in columns else None
-    return Prompt(ids, messages, data_source, ground_truth, dict(extra_info or {}))
+    agent_name = columns["agent_name"][row] if "agent_name" in columns else None
+    if agent_name is not None and (not isinstance(agent_name, str) or not agent_name):
+        raise RowError(f"agent_name must be a non-empty string or null, got {agent_name!r}")
+    return Prompt(ids, messages, data_source, ground_truth, dict(extra_info or {}), agent_name)
 
 
 def load_prompts(
@@ -60,7 +64,7 @@ def load_prompts(
             missing.append("reward_model (or ground_truth)")
         if missing:
             raise DataError(f"{path}: missing column(s) {missing}; the file has {names}")
-        columns = {c: table.column(c).to_pylist() for c in ("prompt", "data_source", "reward_model", "ground_truth", "extra_info")
+        columns = {c: table.column(c).to_pylist() for c in ("prompt", "data_source", "reward_model", "ground_truth", "extra_info", "agent_name")
                    if c in names}
         for row in range(table.num_rows):
             try:

@@ -56,8 +56,8 @@ def critic_metrics(samples: Sequence[Sample], generations: Sequence[Generation],
     return metrics
 
 
-def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], scores: torch.Tensor, token_rewards: list[torch.Tensor],
-                 response_advantages: list[float], n: int, parallel: Parallel) -> dict[str, float]:
+def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], group_ids: torch.Tensor, scores: torch.Tensor,
+                 token_rewards: list[torch.Tensor], response_advantages: list[float], parallel: Parallel) -> dict[str, float]:
     """verl's per-step data metrics over every sample of the step, and its token count for the throughput. The
     response lengths count the tokens the policy generated (not a multi-turn trajectory's tool or user tokens)."""
     lengths = [g.generated_tokens for g in generations]
@@ -66,7 +66,8 @@ def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], s
                **global_stats("critic/advantages", response_advantages, parallel), **global_stats("response_length", lengths, parallel)}
     prompt_stats = global_stats("prompt_length", [len(p.ids) for p in prompts], parallel)
     metrics.update({k: v for k, v in prompt_stats.items() if not k.endswith("/min")})
-    group_spread = scores.view(-1, n).std(dim=1) if n > 1 else torch.zeros(len(prompts))
+    group_spread = torch.stack([scores[group_ids == g].std() if int((group_ids == g).sum()) > 1 else torch.zeros((), dtype=scores.dtype)
+                                for g in group_ids.unique()])
     tokens, truncated, responses, zero_std, groups = all_reduce_sum(
         [float(sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)), float(sum(g.truncated for g in generations)),
          float(len(lengths)), float((group_spread == 0).sum()), float(len(group_spread))], parallel.device, parallel.dp_group)
@@ -79,8 +80,9 @@ def step_metrics(prompts: Sequence[Prompt], generations: Sequence[Generation], s
 def multi_turn_metrics(generations: Sequence[Generation], parallel: Parallel) -> dict[str, float]:
     """Over every trajectory of the step: turns (verl's num_turns), tool calls and their failures per trajectory,
     the environments' success rate (where an interaction reports `success`), and the share of trajectories whose
-    full re-render tokenizes otherwise (`multi_turn/drift_rate`, over the checked ones)."""
-    traces = [g.trace for g in generations]
+    full re-render tokenizes otherwise (`multi_turn/drift_rate`, over the checked ones). Responses of a one-turn
+    loop (no trace) are left out."""
+    traces = [g.trace for g in generations if g.trace is not None]
     metrics = global_stats("num_turns", [float(t.num_turns) for t in traces], parallel)
     counts = ("tool_calls", "tool_errors", "tool_timeouts", "format_errors")
     totals = all_reduce_sum([float(sum(getattr(t, name) for t in traces)) for name in counts]
@@ -103,15 +105,15 @@ def plot(history: list[dict], lengths: list[int], directory: str, logger: Metric
         logger.log_images(write_plots(history, every_length, directory), step)
 
 
-def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], scored: list[dict], generations: Sequence[Generation],
-                  advantages: list[float], n: int, parallel: Parallel) -> None:
+def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], group_ids: Sequence[int], scored: list[dict],
+                  generations: Sequence[Generation], advantages: list[float], parallel: Parallel) -> None:
     """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage, and the token
     ids that were trained on (response_mask 1); a multi-turn trajectory's turns, each marked `trained` or not,
     with its counts (rank 0 writes)."""
-    rows = [{"prompt": prompts[i // n].messages, "ground_truth": prompts[i // n].ground_truth, "data_source": prompts[i // n].data_source,
+    rows = [{"prompt": prompts[group].messages, "ground_truth": prompts[group].ground_truth, "data_source": prompts[group].data_source,
              **s, "advantage": a, "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
              **({} if g.trace is None else {"turns": g.trace.messages, "trace": {k: v for k, v in vars(g.trace).items() if k != "messages"}})}
-            for i, (s, g, a) in enumerate(zip(scored, generations, advantages))]
+            for group, s, g, a in zip(group_ids, scored, generations, advantages)]
     every_row = gather_lists(rows, parallel.dp_group)
     if parallel.is_main:
         os.makedirs(directory, exist_ok=True)

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import httpx
 from transformers import PreTrainedTokenizerBase
 
+from fsdptrain.errors import UserError
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rollout.base import Generation
 
 
-class RemoteRewardError(RuntimeError):
+class RemoteRewardError(UserError, RuntimeError):
     """The reward server did not give a batch's rewards after every retry."""
 
 
@@ -35,11 +36,11 @@ class RemoteReward:
     backoff_s: float
     jitter: random.Random = field(default_factory=random.Random)  # its own generator: the run's draws stay as they are
 
-    def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], n: int) -> list[float]:
-        """The reward of each of this rank's responses (response i answers prompts[i // n])."""
+    def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], group_ids: Sequence[int]) -> list[float]:
+        """The reward of each of this rank's responses (response i answers prompts[group_ids[i]])."""
         prompt_texts = [self.tokenizer.decode(p.ids) for p in prompts]
-        rows = [{"query": prompt_texts[i // n] + self.tokenizer.decode(g.response_ids, skip_special_tokens=True), "prompt": prompt_texts[i // n],
-                 "label": prompts[i // n].ground_truth, "data_source": prompts[i // n].data_source} for i, g in enumerate(generations)]
+        rows = [{"query": prompt_texts[k] + self.tokenizer.decode(g.response_ids, skip_special_tokens=True), "prompt": prompt_texts[k],
+                 "label": prompts[k].ground_truth, "data_source": prompts[k].data_source} for g, k in zip(generations, group_ids, strict=True)]
         batches = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
         with httpx.Client(timeout=self.timeout_s) as client, ThreadPoolExecutor(self.max_concurrency) as pool:
             replies = pool.map(lambda item: self.post(client, item[0], len(batches), item[1]), enumerate(batches))

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from fsdptrain.config.shared import MicroBatching
 from fsdptrain.data.dataset import Sample
-from fsdptrain.data.micro_batches import forward_batches, plan_micro_batches
+from fsdptrain.data.micro_batches import MicroBatching, forward_batches, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.rl.actor import store_token_values
 from fsdptrain.rl.critic import token_values
@@ -47,12 +46,12 @@ class RewardModel:
         return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
 
     @torch.no_grad()
-    def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], n: int) -> list[float]:
-        """The score of each of this rank's responses (response i answers prompts[i // n]). Every rank calls it
-        (a rank with fewer micro-batches runs discarded forwards for FSDP's collectives)."""
+    def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], group_ids: Sequence[int]) -> list[float]:
+        """The score of each of this rank's responses (response i answers prompts[group_ids[i]]). Every rank calls
+        it (a rank with fewer micro-batches runs discarded forwards for FSDP's collectives)."""
         samples = []
-        for i, generation in enumerate(generations):
-            ids = self.token_ids(generation, prompts[i // n])
+        for generation, group in zip(generations, group_ids, strict=True):
+            ids = self.token_ids(generation, prompts[group])
             # One padding token after the sequence, as its only target: the head's output at the position that
             # predicts it is the output at the sequence's last token (causal attention: the extra token changes nothing before it).
             samples.append(Sample(torch.tensor([*ids, self.pad_id]), torch.tensor([0] * len(ids) + [1])))

@@ -72,18 +72,20 @@ class RewardShaping:
     norm: str | None
     minus_mean: bool
     clip: float | None
-    n: int  # responses per prompt: a group
     running: RunningMoments
 
-    def __call__(self, scores: torch.Tensor, parallel: Parallel) -> tuple[torch.Tensor, dict[str, float]]:
-        """This rank's rewards (a group's n responses in a row) normalized and clipped, with the metrics."""
+    def __call__(self, scores: torch.Tensor, group_ids: torch.Tensor, parallel: Parallel) -> tuple[torch.Tensor, dict[str, float]]:
+        """This rank's rewards (each response's group in `group_ids`) normalized and clipped, with the metrics."""
         rewards, metrics = scores.double(), {}
         if self.norm == "batch":
             count, mean, m2 = batch_moments(rewards, parallel)
             rewards = scaled(rewards, mean, math.sqrt(m2 / max(count, 1.0)), self.minus_mean)
         elif self.norm == "group":
-            groups = rewards.view(-1, self.n)
-            rewards = scaled(groups, groups.mean(1, keepdim=True), groups.std(1, unbiased=False, keepdim=True), self.minus_mean).flatten()
+            normalized = torch.empty_like(rewards)
+            for group in group_ids.unique():
+                members = rewards[group_ids == group]
+                normalized[group_ids == group] = scaled(members, members.mean(), members.std(unbiased=False), self.minus_mean)
+            rewards = normalized
         elif self.norm == "running":
             self.running.merge(*batch_moments(rewards, parallel))
             rewards = scaled(rewards, self.running.mean, self.running.std, self.minus_mean)

@@ -15,16 +15,20 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from fsdptrain.errors import UserError
+from fsdptrain.registry import Registry
 from fsdptrain.rl.data import Prompt
-from fsdptrain.rl.rollout.base import Generation
+from fsdptrain.rl.rollout.base import Generation, members
 
 RewardFn = Callable[[str, str, Any, dict | None], float | dict]
+# Built-in verifiers, by the name a reward source gives as its `function`; each has verl's signature.
+VERIFIERS: Registry[RewardFn] = Registry("built-in verifier")
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "arithmetic")
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward function that cannot be loaded or that failed on a sample; the message names it."""
 
 
@@ -89,6 +93,7 @@ def math_score(solution: str, ground_truth: str) -> float:
     return 1.0 if truth is not None and normalize_math(answer) == normalize_math(truth) else 0.0
 
 
+@VERIFIERS.register("rules")
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """verl's default choice of rule by data source: GSM8K-style `#### answer` (strict), MATH-style `\\boxed{}`."""
     if data_source in GSM8K_SOURCES:
@@ -106,15 +111,30 @@ def strict_format_score(solution: str) -> float:
     return float(re.search(r"#### -?[0-9][0-9,]*(\.[0-9]+)?\s*$", solution) is not None)
 
 
-# Built-in verifiers, by the name a reward source gives as its `function`; each has verl's signature.
-VERIFIERS: dict[str, RewardFn] = {
-    "rules": default_compute_score,
-    "gsm8k": lambda data_source, solution, ground_truth, extra_info=None: gsm8k_score(solution, ground_truth),
-    "gsm8k_flexible": lambda data_source, solution, ground_truth, extra_info=None: gsm8k_score(solution, ground_truth, "flexible"),
-    "math": lambda data_source, solution, ground_truth, extra_info=None: math_score(solution, ground_truth),
-    "strict_format": lambda data_source, solution, ground_truth, extra_info=None: strict_format_score(solution),
-    "turn_scores": lambda data_source, solution, ground_truth, extra_info=None: float(sum((extra_info or {}).get("turn_scores", ()))),
-}
+@VERIFIERS.register("gsm8k")
+def gsm8k_verifier(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    return gsm8k_score(solution, ground_truth)
+
+
+@VERIFIERS.register("gsm8k_flexible")
+def gsm8k_flexible_verifier(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    return gsm8k_score(solution, ground_truth, "flexible")
+
+
+@VERIFIERS.register("math")
+def math_verifier(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    return math_score(solution, ground_truth)
+
+
+@VERIFIERS.register("strict_format")
+def strict_format_verifier(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    return strict_format_score(solution)
+
+
+@VERIFIERS.register("turn_scores")
+def turn_scores_verifier(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """The sum of an interaction's per-reply scores (multi-turn)."""
+    return float(sum((extra_info or {}).get("turn_scores", ())))
 
 
 def load_reward_function(path: str | None, name: str | None, key: str = "custom_reward_function") -> RewardFn:
@@ -187,17 +207,17 @@ def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: An
     return scores
 
 
-def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], responses: Sequence[Generation], n: int,
-                    where: str) -> list[dict]:
+def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], responses: Sequence[Generation],
+                    group_ids: Sequence[int], where: str) -> list[dict]:
     """Each response's scores (as `score_sample`) with its text (`response`, a multi-turn trajectory's with its
     tool and user turns, as verl decodes it) and the number of tokens the policy generated (`response_length`);
-    response i answers prompts[i // n], and a trajectory's AgentTrace.reward_info joins the row's `extra_info`.
-    `where` starts the name of a failing sample."""
+    response i answers prompts[group_ids[i]], and a trajectory's AgentTrace.reward_info joins the row's
+    `extra_info`. `where` starts the name of a failing sample."""
     scored = []
-    for i, response in enumerate(responses):
-        prompt = prompts[i // n]
+    for response, group, place in zip(responses, group_ids, members(group_ids), strict=True):
+        prompt = prompts[group]
         text = tokenizer.decode(response.response_ids, skip_special_tokens=True)
-        sample = f"{where}prompt {i // n} ({prompt.data_source}), response {i % n}"
+        sample = f"{where}prompt {group} ({prompt.data_source}), response {place}"
         extra_info = prompt.extra_info if response.trace is None else {**prompt.extra_info, **response.trace.reward_info()}
         scores = score_sample(fn, prompt.data_source, text, prompt.ground_truth, extra_info, sample)
         scored.append({**scores, "response": text, "response_length": response.generated_tokens})
@@ -228,11 +248,11 @@ def no_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info
 @dataclass(frozen=True)
 class BatchSource:
     """A reward source that scores a whole rollout at once (a reward model, a remote server): `score(generations,
-    prompts, n)` gives one number per response (response i answers prompts[i // n])."""
+    prompts, group_ids)` gives one number per response (response i answers prompts[group_ids[i]])."""
 
     name: str
     weight: float
-    score: Callable[[Sequence[Generation], Sequence[Prompt], int], list[float]]
+    score: Callable[[Sequence[Generation], Sequence[Prompt], Sequence[int]], list[float]]
 
 
 @dataclass(frozen=True)
@@ -243,16 +263,17 @@ class Scorer:
 
     reward_fn: RewardFn
     tokenizer: PreTrainedTokenizerBase
-    n: int  # responses per prompt
     overlong: OverlongBuffer | None
     batch_sources: Sequence[BatchSource] = ()
 
-    def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], where: str) -> list[dict]:
-        scores = score_responses(self.reward_fn, self.tokenizer, prompts, generations, self.n, f"{where}, this rank's ")
+    def __call__(self, generations: Sequence[Generation], prompts: Sequence[Prompt], group_ids: Sequence[int], where: str) -> list[dict]:
+        """Each response's scores; response i answers prompts[group_ids[i]]."""
+        scores = score_responses(self.reward_fn, self.tokenizer, prompts, generations, group_ids, f"{where}, this rank's ")
         for source in self.batch_sources:
-            for i, (scored, value) in enumerate(zip(scores, source.score(generations, prompts, self.n), strict=True)):
+            values = source.score(generations, prompts, group_ids)
+            for scored, value, group, place in zip(scores, values, group_ids, members(group_ids), strict=True):
                 if not math.isfinite(value):
-                    raise RewardError(f"{source.name} scored {value} for {where}, this rank's prompt {i // self.n}, response {i % self.n}")
+                    raise RewardError(f"{source.name} scored {value} for {where}, this rank's prompt {group}, response {place}")
                 scored[f"{SOURCE}{source.name}"] = value
                 scored["score"] += source.weight * value
         if self.reward_fn is no_reward:

@@ -16,10 +16,10 @@ from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import Scorer
-from fsdptrain.rl.rollout.base import Generation, RolloutEngine
+from fsdptrain.rl.rollout.base import Generation, RolloutEngine, group_ids
 
 if TYPE_CHECKING:
-    from fsdptrain.rl.agent.loop import AgentLoop
+    from fsdptrain.rl.agent.loop import Loop
 
 log = logging.getLogger("fsdptrain")
 
@@ -51,11 +51,18 @@ def fit_prompts(prompts: list[Prompt], limit: int, truncation: str, drop_overlon
 
 @dataclass
 class Group:
-    """One prompt with its `rollout.n` responses and their scores."""
+    """One prompt with its responses (`rollout.n` of them when sampled) and their scores."""
 
     prompt: Prompt
     generations: list[Generation]
     scored: list[dict]
+
+
+def flatten(groups: Sequence[Group]) -> tuple[list[Generation], list[int]]:
+    """Every response of `groups` in order, with its group's index among them: the explicit ids (verl's `index`)
+    by which scores, shaping, advantages and metrics find a response's prompt and group, whatever the groups'
+    sizes."""
+    return [g for group in groups for g in group.generations], [i for i, group in enumerate(groups) for _ in group.generations]
 
 
 class PromptCursor:
@@ -87,14 +94,18 @@ class RolloutRequest:
     calculate_log_probs: bool
 
 
-def generate(engine: RolloutEngine, agent: "AgentLoop | None", prompts: Sequence[Prompt], request: RolloutRequest) -> list[Generation]:
-    """`request.n` responses to each prompt: one turn from the engine, or trajectories of the multi-turn `agent`.
-    The engine is awake only while it generates (on a GPU, it frees the accelerator for training the rest of the time)."""
+def generate(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[Prompt], request: RolloutRequest) -> list[Generation]:
+    """`request.n` responses to each prompt (n in a row), each prompt answered by the loop its `agent_name` names
+    (a key of `loops`, the same on every rank). Every rank calls every loop, in one order, with or without prompts:
+    the ranks of a tensor-parallel engine call it together. The engine is awake only while it generates (on a GPU,
+    it frees the accelerator for training the rest of the time)."""
     engine.wake_up()
-    if agent is not None:
-        generations = agent.generate(prompts, **asdict(request))
-    else:
-        generations = engine.generate([p.ids for p in prompts], **asdict(request))
+    n, generations = request.n, [None] * (len(prompts) * request.n)
+    for name, loop in loops.items():
+        mine = [i for i, prompt in enumerate(prompts) if prompt.agent_name == name]
+        answered = loop.generate([prompts[i] for i in mine], **asdict(request))
+        for k, i in enumerate(mine):
+            generations[i * n : (i + 1) * n] = answered[k * n : (k + 1) * n]
     engine.sleep()
     return generations
 
@@ -120,7 +131,7 @@ class GroupSampler:
     # Score in a worker thread while the step goes on (reward_model.launch_reward_fn_async; no dynamic sampling,
     # no Ulysses SP, no source with collectives): the groups come unscored, and `wait_for_scores` fills them in.
     score_later: bool = False
-    agent: "AgentLoop | None" = None  # multi-turn rollouts on `engine` (actor_rollout_ref.rollout.multi_turn)
+    loops: "dict[str, Loop]" = field(default_factory=dict)  # the agent loops on `engine`, by name (rl/agent/loop.py)
     worker: ThreadPoolExecutor | None = None
     pending: Future | None = None
 
@@ -140,14 +151,15 @@ class GroupSampler:
         prompts = [self.prompts[i] for i in mine]
         torch.manual_seed(self.seed * 1_000_003 + cursor.batches * parallel.world_size + self.engine_index)
         cursor.batches += 1
-        n = request.n
-        generations = generate(self.engine, self.agent, prompts, request)
-        if self.score_later:
+        generations = generate(self.engine, self.loops, prompts, request)
+        ids, scored = group_ids(len(prompts), request.n), []
+        if self.score_later:  # the groups come unscored: `wait_for_scores` fills them in
             self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="fsdptrain-scoring")
-            self.pending = self.worker.submit(self.score, generations, prompts, f"prompt batch {cursor.batches}")
-            return [Group(prompt, generations[i * n : (i + 1) * n], []) for i, prompt in enumerate(prompts)]
-        scored = self.score(generations, prompts, f"prompt batch {cursor.batches}")
-        groups = [Group(prompt, generations[i * n : (i + 1) * n], scored[i * n : (i + 1) * n]) for i, prompt in enumerate(prompts)]
+            self.pending = self.worker.submit(self.score, generations, prompts, ids, f"prompt batch {cursor.batches}")
+        else:
+            scored = self.score(generations, prompts, ids, f"prompt batch {cursor.batches}")
+        groups = [Group(prompt, [g for g, k in zip(generations, ids) if k == i], [s for s, k in zip(scored, ids) if k == i])
+                  for i, prompt in enumerate(prompts)]
         return gather_lists(groups, parallel.ulysses_group) if parallel.sp_size > 1 else groups
 
     def wait_for_scores(self, groups: list[Group]) -> None:
@@ -155,9 +167,9 @@ class GroupSampler:
         if self.pending is None:
             return
         scored, self.pending = self.pending.result(), None
-        n = self.request.n
-        for i, group in enumerate(groups):
-            group.scored = scored[i * n : (i + 1) * n]
+        start = 0
+        for group in groups:
+            group.scored, start = scored[start : start + len(group.generations)], start + len(group.generations)
 
     def varied_groups(self) -> tuple[list[Group], int]:
         """DAPO's dynamic sampling: draw batches, keeping the groups whose filter score varies (the others teach

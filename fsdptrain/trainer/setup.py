@@ -26,7 +26,7 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
 from fsdptrain.models.liger import apply_liger_kernels
 from fsdptrain.models.loading import build_model
-from fsdptrain.trainer.optim import build_optimizer, build_scheduler
+from fsdptrain.optim import build_optimizer, build_scheduler
 from fsdptrain.trainer.runtime import announce_once, apply_cpu_speedups, quiet_non_main, seed_everything
 
 

@@ -7,18 +7,18 @@ import torch
 from torch import nn
 
 from fsdptrain.config.sft import SFTConfig
-from fsdptrain.config.shared import check_batch_layout
 from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, load_sft_samples
 from fsdptrain.data.micro_batches import collate, forward_batches, loss_tokens, plan_micro_batches
-from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.mesh import Parallel, world_from_environment
 from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks, once_per_sp_group
 from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
-from fsdptrain.trainer.optim import clipped_step
+from fsdptrain.optim import clipped_step
 from fsdptrain.trainer.runtime import peak_memory_gb
 from fsdptrain.trainer.setup import StepTimer, claim_run_directory, count_steps, lost_ranks_named, open_run, start_run
+from fsdptrain.trainer.sft_plan import SFTPlan, plan_sft
 
 
 def train_step(
@@ -54,12 +54,12 @@ def train_step(
 
 
 @torch.no_grad()
-def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, parallel: Parallel, pad_token_id: int) -> float:
+def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, plan: SFTPlan, parallel: Parallel, pad_token_id: int) -> float:
     """Token-mean loss over the whole validation set, each sample counted once."""
     model.eval()
     mine = list(samples[parallel.dp_rank :: parallel.dp_size])
     nll_total, tokens_total = 0.0, 0
-    micro_batches = plan_micro_batches(mine, config.micro_batching, parallel)
+    micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
     for micro_batch, batch in forward_batches(micro_batches, samples[:1], config.use_remove_padding, pad_token_id, parallel):
         nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], config.model.chunked_loss_tokens, parallel.ulysses_group)
         if micro_batch is not None:
@@ -71,9 +71,9 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, par
 
 
 def run_sft(config: SFTConfig) -> None:
+    plan = plan_sft(config, world_from_environment(config.trainer.device))
     parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size, config.trainer.nccl_timeout)
     claim_run_directory(config.trainer, parallel)
-    check_batch_layout(config.data.train_batch_size, "data.train_batch_size", config.micro_batching, parallel.dp_size)
     path = config.model.partial_pretrain
     hf_config = load_model_config(path, "model.partial_pretrain", config.model, parallel.sp_size)
     tokenizer = load_tokenizer(path, "model.partial_pretrain", config.model)
@@ -97,7 +97,7 @@ def run_sft(config: SFTConfig) -> None:
             timer = StepTimer(step)
             lr = run.scheduler.get_last_lr()[0]
             with profile_step(step == config.trainer.profile_step, step, config.trainer.default_local_dir, parallel.rank), timer("update"):
-                micro_batches = plan_micro_batches(mine, config.micro_batching, parallel)
+                micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
                 local = train_step(model, micro_batches, config, parallel, tokenizer.pad_token_id)
                 grad_norm, applied = clipped_step(model, run.optimizer, config.optim.clip_grad)
                 run.scheduler.step()
@@ -113,6 +113,6 @@ def run_sft(config: SFTConfig) -> None:
                 "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
             }
             if val and run.due(step, config.trainer.test_freq):
-                metrics["val/loss"] = validate(model, val, config, parallel, tokenizer.pad_token_id)
+                metrics["val/loss"] = validate(model, val, config, plan, parallel, tokenizer.pad_token_id)
             run.end_step(step, metrics)
     run.finish()

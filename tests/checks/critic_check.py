@@ -18,9 +18,11 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.data.dataset import Sample
+from fsdptrain.distributed.mesh import world_from_environment
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES
 from fsdptrain.rl.critic import value_backward
 from fsdptrain.trainer.grpo import build_critic
+from fsdptrain.trainer.grpo_plan import critic_batching, plan_grpo
 from fsdptrain.trainer.setup import start_run
 from tests.checks.common import relative_gap, two_groups
 
@@ -68,7 +70,7 @@ def main() -> None:
     model_dir, out, micro, packed, sp = sys.argv[1:6]
     base = config(model_dir, micro, packed, sp)
     parallel = start_run(base.trainer, sp_size=int(sp))
-    critic = build_critic(base, parallel, total_steps=1, vocabulary=1000, pad_id=0)
+    critic = build_critic(base, plan_grpo(base, world_from_environment("cpu"), pad_id=0), parallel, total_steps=1, vocabulary=1000)
     # two prompts' groups of four, with returns on their response tokens
     everything = two_groups(lambda g, prompt, response, mask: {"returns": torch.randn(prompt + response, generator=g) * mask})
     mine = everything[parallel.dp_rank :: parallel.dp_size]
@@ -95,7 +97,7 @@ def main() -> None:
         variant = config(model_dir, micro, packed, sp, f"critic.loss_agg_mode={agg_mode}")
         critic.model.zero_grad(set_to_none=True)
         loss_settings = type(critic.loss)(CLIP, agg_mode, None, variant.data.max_response_length)
-        sums = value_backward(critic.model, mine, variant.critic_batching(forward=False), critic.forward, loss_settings, parallel)
+        sums = value_backward(critic.model, mine, critic_batching(variant, forward=False), critic.forward, loss_settings, parallel)
         assert sums["vf_clipfrac"] > 0 or sums["tokens"] == 0
         gradients[agg_mode] = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                                for name, p in critic.model.named_parameters()}

@@ -16,13 +16,12 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig
 
 from fsdptrain.config.sft import load_sft_config
-from fsdptrain.config.shared import MicroBatching
 from fsdptrain.data.dataset import Sample
-from fsdptrain.data.micro_batches import collate, plan_micro_batches
+from fsdptrain.data.micro_batches import MicroBatching, collate, plan_micro_batches
 from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.dtypes import DTYPES
 from fsdptrain.models.loss import token_log_probs
-from fsdptrain.trainer.optim import build_optimizer, clipped_step
+from fsdptrain.optim import build_optimizer, clipped_step
 from fsdptrain.trainer.setup import build_sharded_model, start_run
 
 

@@ -16,10 +16,11 @@ from hydra import compose, initialize_config_module
 from torch.distributed.tensor import DTensor
 
 from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.distributed.mesh import world_from_environment
 from fsdptrain.models.loading import load_model_config
 from fsdptrain.rl.actor import compute_log_probs, mini_batch_backward
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
-from fsdptrain.trainer.grpo import forward_settings, loss_settings
+from fsdptrain.trainer.grpo_plan import actor_batching, plan_grpo
 from fsdptrain.trainer.setup import build_sharded_model, start_run
 from tests.checks.common import relative_gap, two_groups
 
@@ -39,7 +40,10 @@ def main() -> None:
                 *LAYOUT, f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}", "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
 
 
-    base = config()
+    def plan(*overrides):
+        return plan_grpo(config(*overrides), world_from_environment("cpu"), pad_id=0)
+
+    base, base_plan = config(), plan()
     parallel = start_run(base.trainer, sp_size=int(sp))
     hf_config = load_model_config(model_dir, "model", base.actor_rollout_ref.model, parallel.sp_size)
     model = build_sharded_model(model_dir, base.actor_rollout_ref.model, base.actor_rollout_ref.actor.fsdp_config, hf_config, base.trainer,
@@ -50,7 +54,7 @@ def main() -> None:
     everything = two_groups(lambda g, prompt, response, mask: {
         "advantage": torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.randn((), generator=g)))])})
     mine = everything[parallel.dp_rank :: parallel.dp_size]
-    compute_log_probs(model, mine, base.micro_batching(4, "size"), forward_settings(base, pad_id=0), parallel, key="old_log_prob")
+    compute_log_probs(model, mine, actor_batching(base, 4, "size"), base_plan.forward, parallel, key="old_log_prob")
     separate_pass = [sample.token_values["old_log_prob"].clone() for sample in mine]
     for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
         noise = torch.randn(len(sample), generator=torch.Generator().manual_seed(100 + index)) * 0.3  # ratios on both sides of the clip
@@ -58,9 +62,9 @@ def main() -> None:
 
     def gradient(*overrides):
         """The whole gradient of one mini-batch of `mine` under the config with `overrides`."""
-        variant = config(*overrides)
+        variant = plan(*overrides)
         model.zero_grad(set_to_none=True)
-        mini_batch_backward(model, mine, variant.update_batching, forward_settings(variant, pad_id=0), loss_settings(variant), parallel,
+        mini_batch_backward(model, mine, variant.update_batching, variant.forward, variant.loss, parallel,
                             first_pass_is_old=False)
         return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()}
 
@@ -91,7 +95,7 @@ def main() -> None:
     for sample in mine:
         sample.token_values["rollout_log_prob"] = torch.zeros(len(sample))
         del sample.token_values["old_log_prob"]
-    mini_batch_backward(model, mine, base.update_batching, forward_settings(base, pad_id=0), loss_settings(base), parallel, first_pass_is_old=True)
+    mini_batch_backward(model, mine, base_plan.update_batching, base_plan.forward, base_plan.loss, parallel, first_pass_is_old=True)
     for sample, log_probs in zip(mine, separate_pass):
         torch.testing.assert_close(sample.token_values["old_log_prob"], log_probs, atol=1e-5, rtol=0)
     if parallel.is_main:

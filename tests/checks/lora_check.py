@@ -15,12 +15,11 @@ from peft import get_peft_model, set_peft_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdptrain.config.sft import load_sft_config
-from fsdptrain.config.shared import MicroBatching
 from fsdptrain.data.dataset import Sample
-from fsdptrain.data.micro_batches import collate, plan_micro_batches
+from fsdptrain.data.micro_batches import MicroBatching, collate, plan_micro_batches
 from fsdptrain.models.lora import adapter_weights, adapters_disabled, merged_weights, peft_config
 from fsdptrain.models.loss import token_log_probs
-from fsdptrain.trainer.optim import build_optimizer, clipped_step
+from fsdptrain.optim import build_optimizer, clipped_step
 from fsdptrain.trainer.setup import build_sharded_model, start_run
 
 

@@ -14,11 +14,12 @@ import torch
 from hydra import compose, initialize_config_module
 
 from fsdptrain.config.grpo import load_grpo_config
+from fsdptrain.distributed.mesh import world_from_environment
 from fsdptrain.models.loading import load_model_config
 from fsdptrain.rl.actor import compute_log_probs
-from fsdptrain.rl.rollout import sync_weights
+from fsdptrain.rl.rollout import build_rollout, sync_weights
 from fsdptrain.rl.samples import make_samples
-from fsdptrain.trainer.grpo import build_engine, forward_settings
+from fsdptrain.trainer.grpo_plan import actor_batching, plan_grpo
 from fsdptrain.trainer.setup import build_sharded_model, start_run
 
 
@@ -42,24 +43,25 @@ def main() -> None:
 
 
     sampling, scoring = config(0.8), config(1.0)
+    sampling_plan, scoring_plan = (plan_grpo(c, world_from_environment("cpu"), pad_id=2) for c in (sampling, scoring))
     parallel = start_run(sampling.trainer, sp_size=1)
     hf_config = load_model_config(model_dir, "model", sampling.actor_rollout_ref.model, 1)
     model = build_sharded_model(model_dir, sampling.actor_rollout_ref.model, sampling.actor_rollout_ref.actor.fsdp_config, hf_config,
                                 sampling.trainer, parallel, packed=True, trainable=True)
-    engine = build_engine(sampling, parallel, pad_id=2)
-    bucket_bytes = sampling.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
-    batching = sampling.micro_batching(4, "size")
+    engine = build_rollout(sampling_plan.engine_name, sampling_plan.engine)
+    bucket_bytes = sampling_plan.weight_bucket_bytes
+    batching = actor_batching(sampling, 4, "size")
     prompts = [[1, 5 + parallel.rank, 17, 42], [1, 7, 8]]
 
     untrained = engine.generate(prompts, n=2, max_new_tokens=12, batch_size=4, temperature=0.8, calculate_log_probs=True)
     samples = make_samples(untrained, mask_truncated=False)
-    compute_log_probs(model, samples, batching, forward_settings(sampling, pad_id=2), parallel, key="old_log_prob")
+    compute_log_probs(model, samples, batching, sampling_plan.forward, parallel, key="old_log_prob")
     assert worst(samples, "old_log_prob", "rollout_log_prob") > 0.1, "the dummy-loaded engine already samples like the actor"
 
     sync_weights(model, engine, bucket_bytes)
     generations = engine.generate(prompts, n=2, max_new_tokens=12, batch_size=4, temperature=0.8, calculate_log_probs=True)
     samples = make_samples(generations, mask_truncated=False)
-    compute_log_probs(model, samples, batching, forward_settings(sampling, pad_id=2), parallel, key="old_log_prob")
+    compute_log_probs(model, samples, batching, sampling_plan.forward, parallel, key="old_log_prob")
     assert worst(samples, "old_log_prob", "rollout_log_prob") < TOLERANCE, worst(samples, "old_log_prob", "rollout_log_prob")
 
 
@@ -73,7 +75,7 @@ def main() -> None:
             sample.token_values["engine"] = torch.tensor(values)
 
 
-    compute_log_probs(model, samples, batching, forward_settings(scoring, pad_id=2), parallel, key="before")
+    compute_log_probs(model, samples, batching, scoring_plan.forward, parallel, key="before")
     engine_log_probs(samples)
     assert worst(samples, "before", "engine") < TOLERANCE
     with torch.no_grad():
@@ -81,7 +83,7 @@ def main() -> None:
         for parameter in model.parameters():  # a large update: every shard moves
             local = parameter.to_local()
             local.add_(0.05 * torch.randn(local.shape, generator=generator))
-    compute_log_probs(model, samples, batching, forward_settings(scoring, pad_id=2), parallel, key="after")
+    compute_log_probs(model, samples, batching, scoring_plan.forward, parallel, key="after")
     assert worst(samples, "before", "after") > 0.1, "the update did not change the policy"
     assert worst(samples, "engine", "after") > 0.1, "the engine follows the actor without a sync"
     sync_weights(model, engine, bucket_bytes)

@@ -1,4 +1,7 @@
-"""The multi-turn agent loop on the rollout contract: every live trajectory of a batch generates its next assistant
+"""The agent loops that answer prompts, by name (verl's `agent_name`): `single_turn_agent`, the engine's one turn,
+and `tool_agent`, the multi-turn loop below; a user's loop registers in AGENT_LOOPS like these.
+
+The multi-turn agent loop on the rollout contract: every live trajectory of a batch generates its next assistant
 turn in one engine call; tool calls are parsed from the turn's text and run (concurrently, each cut at a timeout),
 or an interaction answers the turn; their messages are appended as the template renders them (templates.py), with
 response mask 0; until the model answers without a tool call, a turn cap, or the response budget
@@ -11,12 +14,15 @@ cut at `tool_timeout_s` (it must await, as async code does, for the cut to reach
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.distributed.reductions import gather_lists
+from fsdptrain.errors import ConfigError
+from fsdptrain.registry import Registry
 from fsdptrain.rl.agent.interactions import BaseInteraction
 from fsdptrain.rl.agent.templates import TurnRenderer
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS, ParsedTurn, ToolCall
@@ -26,7 +32,6 @@ from fsdptrain.rl.rollout.base import AgentTrace, Generation, RolloutEngine
 
 log = logging.getLogger("fsdptrain")
 
-TRUNCATE_SIDES = ("left", "middle", "right")
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,54 @@ class Trajectory:
     def kwargs(self, tool: str, stage: str) -> dict:
         """verl's per-row `extra_info.tools_kwargs[tool][stage]` (create_kwargs, execute_kwargs, ...)."""
         return dict(((self.prompt.extra_info.get("tools_kwargs") or {}).get(tool) or {}).get(stage) or {})
+
+
+class Loop(Protocol):
+    """What answers prompts: `n` responses to each (n in a row), with RolloutEngine.generate's sampling arguments."""
+
+    def generate(self, prompts: Sequence[Prompt], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
+        ...
+
+
+@dataclass(frozen=True)
+class LoopContext:
+    """What an agent loop is built from."""
+
+    engine: RolloutEngine
+    tokenizer: PreTrainedTokenizerBase
+    settings: MultiTurnSettings | None  # actor_rollout_ref.rollout.multi_turn's; None where multi_turn.enable=false
+    tools: dict[str, BaseTool]
+    interactions: dict[str, BaseInteraction]
+    template_kwargs: dict  # data.apply_chat_template_kwargs
+
+
+# verl's agent loops by name: a data row's `agent_name`, else actor_rollout_ref.rollout.agent.default_agent_loop,
+# selects the one that answers it. Each entry builds its loop from a LoopContext.
+AGENT_LOOPS: Registry[Callable[[LoopContext], Loop]] = Registry("agent loop")
+
+
+@dataclass
+class SingleTurn:
+    """One turn: the engine answers the prompt's tokens."""
+
+    engine: RolloutEngine
+
+    def generate(self, prompts: Sequence[Prompt], **request) -> list[Generation]:
+        return self.engine.generate([p.ids for p in prompts], **request)
+
+
+@AGENT_LOOPS.register("single_turn_agent")
+def single_turn_agent(context: LoopContext) -> SingleTurn:
+    return SingleTurn(context.engine)
+
+
+@AGENT_LOOPS.register("tool_agent")
+def tool_agent(context: LoopContext) -> "AgentLoop":
+    if context.settings is None:
+        raise ConfigError("the tool_agent loop answers over several turns: it needs actor_rollout_ref.rollout.multi_turn.enable=true with "
+                          "a tool_config_path or an interaction_config_path")
+    return AgentLoop(context.engine, context.tokenizer, context.settings, context.tools, context.interactions, context.template_kwargs)
 
 
 @dataclass

@@ -20,7 +20,6 @@ from fsdptrain.data.chat import RowError, end_of_turn_ids, render
 from fsdptrain.errors import ConfigError
 
 PROBE = [{"role": "user", "content": "fsdptrain probe"}, {"role": "assistant", "content": "fsdptrain probe answer"}]
-SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
 
 
 class TurnRenderer:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fsdptrain.registry import Registry
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -38,6 +40,11 @@ def as_call(call: Any) -> ToolCall | None:
     return ToolCall(call["name"], arguments) if isinstance(arguments, dict) else None
 
 
+# multi_turn.format -> the parser of that format
+TOOL_CALL_FORMATS: Registry[Callable[[str], "ParsedTurn"]] = Registry("tool-call format")
+
+
+@TOOL_CALL_FORMATS.register("hermes")
 def parse_hermes(text: str) -> ParsedTurn:
     """Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks. An opened
     block that never closes counts as malformed."""
@@ -55,6 +62,7 @@ def parse_hermes(text: str) -> ParsedTurn:
     return ParsedTurn(calls, malformed)
 
 
+@TOOL_CALL_FORMATS.register("llama3_json")
 def parse_llama3_json(text: str) -> ParsedTurn:
     """Llama 3.1's and 3.2's JSON tool calls, as their template renders them: the whole turn is
     `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` where the model writes one), several separated by
@@ -76,6 +84,3 @@ def parse_llama3_json(text: str) -> ParsedTurn:
         position = separator.end()
     return ParsedTurn(calls, 0)
 
-
-# multi_turn.format -> the parser of that format
-TOOL_CALL_FORMATS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}

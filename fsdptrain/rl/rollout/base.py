@@ -6,12 +6,17 @@ one call; it appends the turn's generated tokens with response mask 1 and the to
 results) with 0, so that a trajectory is one Generation whatever the number of turns, with its AgentTrace.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from fsdptrain.registry import Registry
+
+if TYPE_CHECKING:
+    from fsdptrain.rl.rollout.vllm import EngineSettings
 
 
 @dataclass
@@ -63,6 +68,23 @@ class Generation:
         return sum(self.response_mask)
 
 
+def group_ids(num_prompts: int, n: int) -> list[int]:
+    """Each response's group, the index of the prompt it answers, in what `RolloutEngine.generate` returns (`n` in a
+    row): the one place that reads that order. Every later stage (scores, shaping, advantages, metrics) reads the
+    ids, so that groups of any size and order work."""
+    return [i for i in range(num_prompts) for _ in range(n)]
+
+
+def members(ids: Sequence[int]) -> list[int]:
+    """Each response's place in its group (0 for the first response of its group id), to name it in an error."""
+    seen: dict[int, int] = {}
+    places = []
+    for group in ids:
+        places.append(seen.get(group, 0))
+        seen[group] = places[-1] + 1
+    return places
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Samples from the policy's weights, which the trainer sends after every update."""
@@ -93,3 +115,23 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Release the engine; called once, after the job's last collective."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What any engine is built from; `vllm` holds the settings only vLLM reads."""
+
+    path: str
+    dtype: torch.dtype
+    device: torch.device
+    pad_id: int
+    trust_remote_code: bool
+    max_model_len: int
+    seed: int  # the same on every rank of one engine
+    tensor_parallel_size: int
+    free_cache_engine: bool  # sleep between rollouts where the platform can (CUDA), freeing the accelerator for training
+    vllm: "EngineSettings"
+
+
+# Each engine's module registers the function that builds it from an EngineSpec (rollout.name selects it).
+ROLLOUT_ENGINES: Registry[Callable[[EngineSpec], RolloutEngine]] = Registry("rollout engine")

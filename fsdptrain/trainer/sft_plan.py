@@ -1,0 +1,60 @@
+"""The SFT trainer's plan: the config and the world turned, before the process group starts, into the sizes the
+step takes, with the rules that need the number of ranks; every problem in one error."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from fsdptrain.config.base import failures, raise_problems, to_typed
+from fsdptrain.config.sft import SFTConfig, own_checks
+from fsdptrain.data.micro_batches import MicroBatching, check_batch_layout, validate_micro_batching
+from fsdptrain.distributed.mesh import World, world_from_environment
+from fsdptrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SFTPlan:
+    world: World
+    dp_size: int
+    sp_size: int
+    micro_batching: MicroBatching
+
+
+def micro_batching(config: SFTConfig) -> MicroBatching:
+    """data.use_dynamic_bsz=null: a token budget of micro_batch_size_per_gpu x max_length (no micro-batch holds
+    more tokens than the count-based one could) where the cut cannot change the loss, else a sample count."""
+    data = config.data
+    dynamic, max_tokens = data.use_dynamic_bsz, data.max_token_len_per_gpu
+    if dynamic is None:
+        dynamic = config.use_remove_padding and data.balance_dp_token
+        if dynamic and max_tokens is None:
+            max_tokens = data.micro_batch_size_per_gpu * data.max_length
+    return MicroBatching(data.micro_batch_size_per_gpu, dynamic, max_tokens, "data.micro_batch_size_per_gpu", "data.use_dynamic_bsz",
+                         "data.max_token_len_per_gpu")
+
+
+def check_world(world: World, sp_size: int) -> None:
+    if world.world_size % sp_size:
+        raise ConfigError(f"ulysses_sequence_parallel_size ({sp_size}) must divide the number of processes ({world.world_size})")
+
+
+def read_sft_config(cfg: DictConfig, problems: Sequence[str] = (), world: World | None = None) -> SFTConfig:
+    """The config as the trainer reads it, before any work starts: typed, then each section's own checks and the
+    plan's (against `world`, by default torchrun's), every problem with the command line's `problems` in one
+    ConfigError."""
+    config: SFTConfig = to_typed(cfg, SFTConfig, problems)
+    world = world or world_from_environment(config.trainer.device)
+    found = [*problems, *failures(own_checks(config))]
+    batching, sp = micro_batching(config), config.ulysses_sequence_parallel_size
+    found += failures([lambda: validate_micro_batching(batching, config.data.max_length, "data.max_length"), lambda: check_world(world, sp)])
+    if not found:  # the layout's arithmetic needs valid sizes
+        found += failures([lambda: check_batch_layout(config.data.train_batch_size, "data.train_batch_size", batching, world.world_size // sp)])
+    raise_problems(found)
+    return config
+
+
+def plan_sft(config: SFTConfig, world: World) -> SFTPlan:
+    """The run's plan, from a config that `read_sft_config` has checked."""
+    sp = config.ulysses_sequence_parallel_size
+    return SFTPlan(world, world.world_size // sp, sp, micro_batching(config))

@@ -1,0 +1,53 @@
+"""A user's mistake, under the real torchrun launcher on 2 processes: a configuration with three mistakes, a value
+of the wrong type, a missing data file and a reward function that returns NaN each end the run non-zero with the
+problem printed once by the workers, without a Python traceback of theirs, and named again by torchrun's summary
+(the workers' error file), whose lines end the output."""
+
+import subprocess
+
+import pytest
+
+from conftest import REPO, torchrun_cmd
+from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.slow
+
+NAN_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
+
+
+def launch(module: str, args: list[str]) -> tuple[int, list[str]]:
+    result = subprocess.run(torchrun_cmd(2, module, args), cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    return result.returncode, [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+
+
+def worker_lines(lines: list[str]) -> list[str]:
+    """The lines the workers printed: all but torchrun's own (its log lines, its traceback and its summary)."""
+    start = next((i for i, line in enumerate(lines) if "torch/distributed/elastic" in line and "failed (exitcode" in line), len(lines))
+    return lines[:start]
+
+
+@pytest.mark.parametrize("case", ["three mistakes", "wrong type", "missing file", "nan reward"])
+def test_a_users_mistake_is_printed_once_without_a_traceback(tmp_path, tiny_llama, rl_data, case):  # noqa: F811
+    (tmp_path / "nan.py").write_text(NAN_REWARD)
+    module, args, problems = "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, str(tmp_path / "run")), []
+    if case == "three mistakes":
+        args += ["data.truncation=middle", "actor_rollout_ref.actor.clip_ratio_c=0.5", "algorithm.adv_estimator=remix"]
+        problems = ["data.truncation must be one of", "clip_ratio_c must be > 1", "algorithm.adv_estimator must be one of"]
+    elif case == "wrong type":
+        args += ["data.max_prompt_length=long"]
+        problems = ["data.max_prompt_length"]
+    elif case == "missing file":
+        args = [a.replace("rl_train.parquet", "no_such.parquet") for a in args]
+        problems = ["no_such.parquet"]
+    else:
+        args += [f"custom_reward_function.path={tmp_path / 'nan.py'}"]
+        problems = ["a finite score is required"]
+    code, lines = launch(module, args)
+    assert code != 0
+    mine = worker_lines(lines)
+    text = "\n".join(mine)
+    assert "Traceback" not in text, text
+    for problem in problems:
+        assert text.count(problem) == 1, (problem, text)
+    assert any(problems[0] in line for line in lines[len(mine):]), "torchrun's summary does not name the problem"
