@@ -1,10 +1,57 @@
-"""The dtypes a config can name, and the parameter dtype a model computes in when the config names none."""
+"""The dtypes a config can name, the parameter dtype a model computes in when the config names none, and whether
+the machine computes bf16 natively: a GPU does, and so does a CPU with AVX512-BF16 or AMX (or, on Arm, the bf16
+extension); any other CPU emulates it, many times slower than fp32.
+
+    python -m fsdptrain.dtypes      # prints the dtype the task scripts default to here (bf16 or fp32), and why
+"""
+
+import sys
+import warnings
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo's names: x86's AVX512-BF16 and AMX, Arm's BF16
 
 
 def compute_dtype(param_dtype: str | None, device: torch.device) -> torch.dtype:
     """`param_dtype`, or by default bf16 on a GPU and fp32 on CPU."""
     return DTYPES[param_dtype or ("bf16" if device.type == "cuda" else "fp32")]
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them; empty where they cannot be read (then bf16 counts as emulated)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith(("flags", "Features")) for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+def bf16_is_native(device: torch.device, flags: set[str] | None = None) -> bool:
+    """Whether `device` computes bf16 natively; `flags`: the CPU's (default: this machine's)."""
+    if device.type == "cuda":
+        return True
+    return any(flag in (cpu_flags() if flags is None else flags) for flag in BF16_CPU_FLAGS)
+
+
+def machine_dtype(device: torch.device, flags: set[str] | None = None) -> tuple[str, str]:
+    """The compute dtype the task scripts default to on `device` (bf16 where native, else fp32), and why."""
+    if device.type == "cuda":
+        return "bf16", "a GPU computes bf16 natively"
+    if bf16_is_native(device, flags):
+        return "bf16", "this CPU computes bf16 natively (AVX512-BF16, AMX or Arm's BF16)"
+    return "fp32", "this CPU has neither AVX512-BF16 nor AMX, so bf16 would be emulated, many times slower than fp32"
+
+
+def warn_if_emulated(dtype: str | None, key: str, device: torch.device, flags: set[str] | None = None) -> None:
+    """A warning where `key` asks for bf16 on a CPU that emulates it."""
+    if dtype == "bf16" and not bf16_is_native(device, flags):
+        warnings.warn(f"{key}=bf16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated here, an order of magnitude slower than fp32; "
+                      f"set {key}=fp32 (or leave it null)", stacklevel=2)
+
+
+if __name__ == "__main__":
+    name, reason = machine_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"fsdptrain: computing in {name}: {reason} (DTYPE=... chooses)", file=sys.stderr)
+    print(name)

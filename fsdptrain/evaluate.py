@@ -20,7 +20,7 @@ import transformers
 import yaml
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from fsdptrain.dtypes import DTYPES, compute_dtype
+from fsdptrain.dtypes import DTYPES, compute_dtype, warn_if_emulated
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, LoopContext, MultiTurnSettings
 from fsdptrain.rl.agent.tools import load_tools, tool_schemas
 from fsdptrain.rl.data import load_prompts
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     tools = load_tools(args.tool_config, "--tool-config") if args.tool_config else {}
     prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    warn_if_emulated(args.dtype, "--dtype", device)
     engine = build_engine(args.backend, args.model_dir, tokenizer, max(len(p.ids) for p in prompts) + args.max_new_tokens, args.seed,
                           device, compute_dtype(args.dtype, device))
     settings = MultiTurnSettings(args.max_turns, max_user_turns=None, max_parallel_calls=1, max_tool_response_length=256,

@@ -6,13 +6,14 @@
 # minutes on 2 CPU cores (docs/results.md has its result).
 #   bash scripts/quickstart.sh && bash scripts/ppo_arithmetic.sh
 # Sizes are environment variables: WORK (the quickstart's; runs/quickstart), PPO_STEPS (36), PPO_PROMPTS (96 a
-# step), ACTOR_LR (5e-6), CRITIC_LR (5e-5), CRITIC_WARMUP (2), NPROC (2), DTYPE (bf16, as the quickstart's), and
+# step), ACTOR_LR (5e-6), CRITIC_LR (5e-5), CRITIC_WARMUP (2), NPROC (2), DTYPE (as the quickstart's: the machine's native one), and
 # PPO_ARGS: more overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 WORK=${WORK:-runs/quickstart} PPO_STEPS=${PPO_STEPS:-36} PPO_PROMPTS=${PPO_PROMPTS:-96} ACTOR_LR=${ACTOR_LR:-5e-6}
-CRITIC_LR=${CRITIC_LR:-5e-5} CRITIC_WARMUP=${CRITIC_WARMUP:-2} NPROC=${NPROC:-2} DTYPE=${DTYPE:-bf16}
+CRITIC_LR=${CRITIC_LR:-5e-5} CRITIC_WARMUP=${CRITIC_WARMUP:-2} NPROC=${NPROC:-2}
+DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
 SFT_MODEL=$(ls -d "$WORK"/sft/global_step_*/huggingface | sort -V | tail -1)
 [ -f "$WORK/eval/sft.jsonl" ] || { echo "run scripts/quickstart.sh first (no $WORK/eval/sft.jsonl)"; exit 1; }
 rm -rf "$WORK/ppo"

@@ -6,15 +6,17 @@
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS (prompts per step, 40),
-# GRPO_LR (5e-6), TEST_ROWS (600), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation, bf16:
-# twice fp32's speed on a CPU with AVX512-BF16 or AMX; fp32 elsewhere), and GRPO_ARGS: more overrides for the GRPO trainer.
+# GRPO_LR (5e-6), TEST_ROWS (600), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default
+# bf16 where the machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where
+# bf16 is emulated: `python -m fsdptrain.dtypes` says which), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
 GRPO_STEPS=${GRPO_STEPS:-38} GRPO_PROMPTS=${GRPO_PROMPTS:-40} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-600}
-NPROC=${NPROC:-2} DTYPE=${DTYPE:-bf16}
+NPROC=${NPROC:-2}
 bash scripts/setup.sh smollm2
+DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
 python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --seed "$SEED" --operations "$OPERATIONS" \
     --system ""  # an empty system message: SmolLM2's template would add its 16-token default to every prompt

@@ -1,5 +1,6 @@
 """Hydra overrides reach the typed configs of both trainers; bad keys, types and combinations fail naming the key."""
 
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.trainer.grpo_plan import check_layout, plan_grpo, read_grpo_config, resolve_reward_function
 from fsdptrain.trainer.sft_plan import micro_batching, read_sft_config
 
-from conftest import torchrun
+from conftest import REPO, torchrun
 
 REQUIRED = ["data.train_files=train.parquet", "model.partial_pretrain=/models/x"]
 
@@ -208,3 +209,36 @@ def test_the_default_vllm_memory_share_fits_the_machine(tp, host_processes, devi
     assert plan.engine.vllm.gpu_memory_utilization == pytest.approx(share)
     explicit = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.1")
     assert plan_grpo(explicit, machine, pad_id=0).engine.vllm.gpu_memory_utilization == 0.1
+
+
+@pytest.mark.parametrize("flags, device, expected", [
+    ({"avx2", "avx512f", "avx512_bf16"}, "cpu", "bf16"), ({"avx2", "amx_bf16", "amx_tile"}, "cpu", "bf16"), ({"fp", "asimd", "bf16"}, "cpu", "bf16"),
+    ({"avx2", "fma"}, "cpu", "fp32"), ({"avx2", "avx512f"}, "cpu", "fp32"), (set(), "cpu", "fp32"), (set(), "cuda", "bf16"),
+])
+def test_the_machines_dtype_follows_its_cpu_flags(flags, device, expected):
+    """bf16 only where it is computed natively (a GPU; a CPU with AVX512-BF16, AMX or Arm's BF16); a warning where a
+    key asks for bf16 on a CPU that emulates it, and none for fp32 or a native CPU."""
+    import warnings
+
+    from fsdptrain.dtypes import machine_dtype, warn_if_emulated
+
+    name, reason = machine_dtype(torch.device(device), flags)
+    assert name == expected and reason
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_emulated("bf16", "model.fsdp_config.mixed_precision.param_dtype", torch.device(device), flags)
+        warn_if_emulated("fp32", "model.fsdp_config.mixed_precision.param_dtype", torch.device(device), flags)
+    assert [str(w.message).split(":")[0] for w in caught] == (["model.fsdp_config.mixed_precision.param_dtype=bf16 on a CPU without AVX512-BF16 or AMX"]
+                                                              if expected == "fp32" else [])
+
+
+def test_the_task_scripts_take_the_machines_dtype_unless_one_is_given(tmp_path):
+    """`python -m fsdptrain.dtypes` prints the choice the scripts default to (this machine's), with its reason on
+    stderr; the scripts read it only where DTYPE is not set."""
+    from fsdptrain.dtypes import machine_dtype
+
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.dtypes"], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == machine_dtype(torch.device("cpu"))[0] and "fsdptrain: computing in" in result.stderr
+    for script in ("quickstart.sh", "ppo_arithmetic.sh"):
+        text = (REPO / "scripts" / script).read_text()
+        assert 'DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}' in text and "DTYPE=${DTYPE:-bf16}" not in text, script

@@ -71,16 +71,35 @@ def failures(checks: Sequence[Callable[[], None]]) -> list[str]:
 def check_all(checks: Sequence[Callable[[], None]], problems: Sequence[str] = ()) -> None:
     """Run every check (each a config section's validation); one ConfigError holding each failure and the earlier
     `problems` (the command line's unknown keys), so that a config with three mistakes reports three."""
-    failures_found = [*problems, *failures(checks)]
-    raise_problems(failures_found)
+    raise_problems([*problems, *failures(checks)])
 
 
-def raise_problems(failures: Sequence[str]) -> None:
-    """One ConfigError holding each of `failures`, if there are any."""
-    if len(failures) == 1:
-        raise ConfigError(failures[0])
-    if failures:
-        raise ConfigError(f"{len(failures)} problems:\n  " + "\n  ".join(failures))
+def raise_problems(messages: Sequence[str]) -> None:
+    """One ConfigError holding each of `messages`, if there are any."""
+    if len(messages) == 1:
+        raise ConfigError(messages[0])
+    if messages:
+        raise ConfigError(f"{len(messages)} problems:\n  " + "\n  ".join(messages))
+
+
+def read_config(cfg: DictConfig, schema: type, problems: Sequence[str], own_checks: Callable[[Any], list[Callable[[], None]]],
+                later_checks: Callable[[Any], list[Callable[[], None]]]) -> Any:
+    """`cfg` typed as `schema`, then checked: each section's own values (`own_checks`), then what a trainer's plan
+    adds (`later_checks`: names, rules across sections, the world's sizes); one ConfigError holding every problem,
+    the command line's `problems` first. A later rule that cannot be evaluated on values already found wrong is
+    skipped (its arithmetic may fail); with no problem found, such a failure is a bug and is raised."""
+    config = to_typed(cfg, schema, problems)
+    found = [*problems, *failures(own_checks(config))]
+    for check in later_checks(config):
+        try:
+            check()
+        except ConfigError as e:
+            found.append(str(e))
+        except Exception:
+            if not found:
+                raise
+    raise_problems(found)
+    return config
 
 
 def one_of(key: str, value: Any, allowed: tuple) -> None:

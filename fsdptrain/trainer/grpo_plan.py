@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from fsdptrain.config.base import failures, one_of, raise_problems, to_typed
+from fsdptrain.config.base import one_of, read_config
 from fsdptrain.config.grpo import ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, own_checks, validate_critic
 from fsdptrain.config.shared import validate_sequence_parallel
 from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
 from fsdptrain.distributed.mesh import World, world_from_environment
-from fsdptrain.dtypes import compute_dtype
+from fsdptrain.dtypes import compute_dtype, warn_if_emulated
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
 from fsdptrain.rl.advantages import AdvantageSettings
@@ -286,19 +286,16 @@ def read_grpo_config(cfg: DictConfig, problems: Sequence[str] = (), world: World
     """The config as the trainer reads it, before any work starts: typed, then each section's own checks and the
     plan's (against `world`, by default torchrun's), every problem with the command line's `problems` in one
     ConfigError."""
-    config: GRPOConfig = to_typed(cfg, GRPOConfig, problems)
+    config: GRPOConfig = read_config(cfg, GRPOConfig, problems, own_checks,
+                                     lambda typed: plan_checks(typed, world or world_from_environment(typed.trainer.device)))
     world = world or world_from_environment(config.trainer.device)
-    found = [*problems, *failures(own_checks(config))]
-    for check in plan_checks(config, world):
-        try:
-            check()
-        except ConfigError as e:
-            found.append(str(e))
-        except Exception:  # noqa: BLE001  (a rule that cannot be checked on values already reported as wrong)
-            if not found:
-                raise
-    raise_problems(found)
-    warn_about_estimates(config)
+    if world.rank == 0:
+        warn_about_estimates(config)
+        warn_if_emulated(config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype,
+                         f"{ACTOR}.fsdp_config.mixed_precision.param_dtype", world.device)
+        if uses_critic(config):
+            warn_if_emulated(config.critic.model.fsdp_config.mixed_precision.param_dtype, f"{CRITIC}.model.fsdp_config.mixed_precision.param_dtype",
+                             world.device)
     return config
 
 

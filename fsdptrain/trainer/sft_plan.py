@@ -1,15 +1,16 @@
 """The SFT trainer's plan: the config and the world turned, before the process group starts, into the sizes the
 step takes, with the rules that need the number of ranks; every problem in one error."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from fsdptrain.config.base import failures, raise_problems, to_typed
+from fsdptrain.config.base import read_config
 from fsdptrain.config.sft import SFTConfig, own_checks
 from fsdptrain.data.micro_batches import MicroBatching, check_batch_layout, validate_micro_batching
 from fsdptrain.distributed.mesh import World, world_from_environment
+from fsdptrain.dtypes import warn_if_emulated
 from fsdptrain.errors import ConfigError
 
 
@@ -39,18 +40,22 @@ def check_world(world: World, sp_size: int) -> None:
         raise ConfigError(f"ulysses_sequence_parallel_size ({sp_size}) must divide the number of processes ({world.world_size})")
 
 
+def plan_checks(config: SFTConfig, world: World) -> list[Callable[[], None]]:
+    """The rules the config's own checks cannot make: the micro-batches' sizes and the world's."""
+    batching, sp = micro_batching(config), config.ulysses_sequence_parallel_size
+    return [lambda: validate_micro_batching(batching, config.data.max_length, "data.max_length"), lambda: check_world(world, sp),
+            lambda: check_batch_layout(config.data.train_batch_size, "data.train_batch_size", batching, world.world_size // sp)]
+
+
 def read_sft_config(cfg: DictConfig, problems: Sequence[str] = (), world: World | None = None) -> SFTConfig:
     """The config as the trainer reads it, before any work starts: typed, then each section's own checks and the
     plan's (against `world`, by default torchrun's), every problem with the command line's `problems` in one
     ConfigError."""
-    config: SFTConfig = to_typed(cfg, SFTConfig, problems)
+    config: SFTConfig = read_config(cfg, SFTConfig, problems, own_checks,
+                                    lambda typed: plan_checks(typed, world or world_from_environment(typed.trainer.device)))
     world = world or world_from_environment(config.trainer.device)
-    found = [*problems, *failures(own_checks(config))]
-    batching, sp = micro_batching(config), config.ulysses_sequence_parallel_size
-    found += failures([lambda: validate_micro_batching(batching, config.data.max_length, "data.max_length"), lambda: check_world(world, sp)])
-    if not found:  # the layout's arithmetic needs valid sizes
-        found += failures([lambda: check_batch_layout(config.data.train_batch_size, "data.train_batch_size", batching, world.world_size // sp)])
-    raise_problems(found)
+    if world.rank == 0:
+        warn_if_emulated(config.model.fsdp_config.mixed_precision.param_dtype, "model.fsdp_config.mixed_precision.param_dtype", world.device)
     return config
 
 
