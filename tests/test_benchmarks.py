@@ -108,3 +108,11 @@ def test_bench_rollout_times_both_systems_on_the_same_prompts(tmp_path, tiny_lla
     assert set(results) == {"fsdptrain HF engine", "transformers generate"}
     for r in results.values():
         assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"]) and all(0 < length <= 4 for length in r["mean_length"])
+
+
+def test_bench_matmul_runs_both_settings():
+    result = subprocess.run([sys.executable, "scripts/bench_matmul.py", "--size", "64", "--seconds", "0.05"], cwd=REPO, check=True,
+                            capture_output=True, text=True, timeout=300)
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["as", "AVX2"] and rows[1][1] == "AVX2"
+    assert all(float(value) > 0 for row in rows for value in row[-3:])

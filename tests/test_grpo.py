@@ -234,14 +234,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 @pytest.mark.slow
 def test_the_preferred_token_rises(tmp_path, tokenizer, rl_data):
     """A tiny Llama whose large initial weights make its samples peaked, rewarded for the share of 'e' in what it
-    writes: the mean score rises within six steps. With one mini-batch the engine's sampling log-probs are compared
-    with the update's own forward (no old-policy pass), and they agree at every step."""
+    writes: the mean score rises within fourteen steps (on some CPUs it stays flat for the first six). With one
+    mini-batch the engine's sampling log-probs are compared with the update's own forward (no old-policy pass), and
+    they agree at every step."""
     model = save_tiny_model(tmp_path / "peaked", "llama", tokenizer, initializer_range=1.0)
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(model, rl_data, out, data__train_batch_size=8, actor_rollout_ref__actor__ppo_mini_batch_size=8,
                                                     actor_rollout_ref__rollout__n=8, actor_rollout_ref__actor__optim__lr="2e-2",
                                                     actor_rollout_ref__rollout__calculate_log_probs="true",
-                                                    trainer__total_training_steps=6, data__val_files="null", data__shuffle="true"))
+                                                    trainer__total_training_steps=14, data__val_files="null", data__shuffle="true"))
     metrics = read_metrics(out)
     scores = [m["critic/score/mean"] for m in metrics]
     assert sum(scores[-2:]) > 1.15 * sum(scores[:2]), scores

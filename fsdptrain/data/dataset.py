@@ -45,6 +45,15 @@ def truncate(ids: list[int], mask: list[int], max_length: int, mode: str) -> tup
     raise RowError(f"{len(ids)} tokens exceed data.max_length={max_length} (data.truncation=error)")
 
 
+def check_files_exist(files: dict[str, Sequence[str]]) -> None:
+    """Every data file named under each key (data.train_files, data.val_files) exists: checked before any work
+    starts, on every rank alike."""
+    for key, paths in files.items():
+        missing = [path for path in paths if not os.path.isfile(path)]
+        if missing:
+            raise DataError(f"{key}: no such data file: {', '.join(missing)}")
+
+
 def _read_columns(path: str, columns: Sequence[str], optional: Sequence[str] = ()) -> dict:
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such data file")

@@ -18,6 +18,7 @@ from transformers import AutoModelForTokenClassification
 
 from fsdptrain.config.grpo import GRPOConfig
 from fsdptrain.config.shared import ModelConfig
+from fsdptrain.data.dataset import check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
 from fsdptrain.distributed.mesh import Parallel, world_from_environment
 from fsdptrain.distributed.reductions import max_over_ranks
@@ -148,6 +149,7 @@ class GRPOStep:
 # long: the run's set-up in the order it must happen (the plan before the process group, the critic before the resume)
 def run_grpo(config: GRPOConfig) -> None:
     model_config, trainer = config.actor_rollout_ref.model, config.trainer
+    check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})
     tokenizer = load_tokenizer(model_config.path, "actor_rollout_ref.model.path", model_config)
     plan = plan_grpo(config, world_from_environment(trainer.device), tokenizer.pad_token_id)
     parallel = start_run(trainer, plan.sp_size, config.actor_rollout_ref.nccl_timeout)

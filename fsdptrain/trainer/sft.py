@@ -8,7 +8,7 @@ from torch import nn
 
 from fsdptrain.config.sft import SFTConfig
 from fsdptrain.data.batching import epoch_batches, rank_share
-from fsdptrain.data.dataset import Sample, load_sft_samples
+from fsdptrain.data.dataset import Sample, check_files_exist, load_sft_samples
 from fsdptrain.data.micro_batches import collate, forward_batches, loss_tokens, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel, world_from_environment
 from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks, once_per_sp_group
@@ -21,13 +21,7 @@ from fsdptrain.trainer.setup import StepTimer, claim_run_directory, count_steps,
 from fsdptrain.trainer.sft_plan import SFTPlan, plan_sft
 
 
-def train_step(
-    model: nn.Module,
-    micro_batches: list[list[Sample] | None],
-    config: SFTConfig,
-    parallel: Parallel,
-    pad_token_id: int,
-) -> list[float]:
+def train_step(model: nn.Module, micro_batches: list[list[Sample] | None], plan: SFTPlan, parallel: Parallel, pad_token_id: int) -> list[float]:
     """Forward and backward of one optimizer step's micro-batches. Returns this rank's [nll sum, tokens, seen tokens].
 
     Gradients are those of the loss below; FSDP averages over all ranks, so each rank's loss is scaled by the
@@ -39,10 +33,10 @@ def train_step(
     # the GPU before collating the next micro-batch, leaving the GPU idle meanwhile.
     nll_total, tokens_total, seen = torch.zeros((), device=parallel.device), 0, 0
     for micro_batch in micro_batches:
-        batch = collate(micro_batch, config.use_remove_padding, pad_token_id, parallel)
-        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], config.model.chunked_loss_tokens, parallel.ulysses_group)
+        batch = collate(micro_batch, plan.packed, pad_token_id, parallel)
+        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], plan.chunked_loss_tokens, parallel.ulysses_group)
         tokens = loss_tokens(micro_batch)
-        if config.data.balance_dp_token:
+        if plan.balance_dp_token:
             denominator = max(global_tokens, 1.0)
         else:
             denominator = max(tokens, 1) * len(micro_batches) * parallel.dp_size
@@ -54,14 +48,14 @@ def train_step(
 
 
 @torch.no_grad()
-def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, plan: SFTPlan, parallel: Parallel, pad_token_id: int) -> float:
+def validate(model: nn.Module, samples: Sequence[Sample], plan: SFTPlan, parallel: Parallel, pad_token_id: int) -> float:
     """Token-mean loss over the whole validation set, each sample counted once."""
     model.eval()
     mine = list(samples[parallel.dp_rank :: parallel.dp_size])
     nll_total, tokens_total = 0.0, 0
     micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
-    for micro_batch, batch in forward_batches(micro_batches, samples[:1], config.use_remove_padding, pad_token_id, parallel):
-        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], config.model.chunked_loss_tokens, parallel.ulysses_group)
+    for micro_batch, batch in forward_batches(micro_batches, samples[:1], plan.packed, pad_token_id, parallel):
+        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], plan.chunked_loss_tokens, parallel.ulysses_group)
         if micro_batch is not None:
             nll_total += float(nll)
             tokens_total += loss_tokens(micro_batch)
@@ -72,6 +66,7 @@ def validate(model: nn.Module, samples: Sequence[Sample], config: SFTConfig, pla
 
 def run_sft(config: SFTConfig) -> None:
     plan = plan_sft(config, world_from_environment(config.trainer.device))
+    check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})
     parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size, config.trainer.nccl_timeout)
     claim_run_directory(config.trainer, parallel)
     path = config.model.partial_pretrain
@@ -98,8 +93,8 @@ def run_sft(config: SFTConfig) -> None:
             lr = run.scheduler.get_last_lr()[0]
             with profile_step(step == config.trainer.profile_step, step, config.trainer.default_local_dir, parallel.rank), timer("update"):
                 micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
-                local = train_step(model, micro_batches, config, parallel, tokenizer.pad_token_id)
-                grad_norm, applied = clipped_step(model, run.optimizer, config.optim.clip_grad)
+                local = train_step(model, micro_batches, plan, parallel, tokenizer.pad_token_id)
+                grad_norm, applied = clipped_step(model, run.optimizer, plan.clip_grad)
                 run.scheduler.step()
             nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
             elapsed = timer.elapsed()
@@ -113,6 +108,6 @@ def run_sft(config: SFTConfig) -> None:
                 "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
             }
             if val and run.due(step, config.trainer.test_freq):
-                metrics["val/loss"] = validate(model, val, config, plan, parallel, tokenizer.pad_token_id)
+                metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
             run.end_step(step, metrics)
     run.finish()

@@ -20,6 +20,10 @@ class SFTPlan:
     dp_size: int
     sp_size: int
     micro_batching: MicroBatching
+    packed: bool  # use_remove_padding
+    chunked_loss_tokens: int
+    balance_dp_token: bool  # every loss token of a step weighs 1 / its global count (else verl's per-micro-batch means)
+    clip_grad: float
 
 
 def micro_batching(config: SFTConfig) -> MicroBatching:
@@ -62,4 +66,5 @@ def read_sft_config(cfg: DictConfig, problems: Sequence[str] = (), world: World 
 def plan_sft(config: SFTConfig, world: World) -> SFTPlan:
     """The run's plan, from a config that `read_sft_config` has checked."""
     sp = config.ulysses_sequence_parallel_size
-    return SFTPlan(world, world.world_size // sp, sp, micro_batching(config))
+    return SFTPlan(world, world.world_size // sp, sp, micro_batching(config), config.use_remove_padding, config.model.chunked_loss_tokens,
+                   config.data.balance_dp_token, config.optim.clip_grad)
