@@ -89,7 +89,7 @@ def batching(config: GRPOConfig, size: int, size_key: str, dynamic: bool | None,
     if dynamic is None:
         dynamic = packed
         if dynamic and max_tokens is None:
-            max_tokens = size * (config.data.max_prompt_length + config.data.max_response_length)
+            max_tokens = size * sequence_length(config)
     return MicroBatching(size, dynamic, max_tokens, size_key, f"{prefix}.use_dynamic_bsz", max_tokens_key)
 
 
