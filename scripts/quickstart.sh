@@ -2,7 +2,7 @@
 # SmolLM2-135M-Instruct made better at addition on this machine, end to end: set-up, the model as a Hugging Face
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
 # the SFT and GRPO models evaluated on the held-out test split, side by side, with GRPO's gain over SFT on the
-# same problems. 13 to 22 minutes on 2 CPU cores, by the CPU (docs/results.md has the sizes' results on three seeds).
+# same problems. 13 to 23 minutes on 2 CPU cores, by the CPU (docs/results.md has the sizes' results on three seeds).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS (prompts per step, 40),
