@@ -57,6 +57,12 @@ def world_from_environment(device_preference: str) -> World:
                  resolve_device(device_preference))
 
 
+def check_sp_divides_world(sp_size: int, world_size: int) -> None:
+    """The (dp, sp) mesh needs whole sequence-parallel groups."""
+    if world_size % sp_size:
+        raise ConfigError(f"ulysses_sequence_parallel_size ({sp_size}) must divide the number of processes ({world_size})")
+
+
 def resolve_device(preference: str) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is available")
@@ -73,8 +79,7 @@ def init_parallel(device_preference: str, sp_size: int, timeout_s: float = 1800)
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     device = resolve_device(device_preference)
     world_size = int(os.environ["WORLD_SIZE"])
-    if world_size % sp_size:
-        raise ConfigError(f"ulysses_sequence_parallel_size ({sp_size}) must divide the number of processes ({world_size})")
+    check_sp_divides_world(sp_size, world_size)
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -80,7 +80,6 @@ class GRPOStep:
     kl_ctrl: core_algos.KLController | None  # the KL in the reward
     shaping: RewardShaping  # reward normalization and clipping
 
-    # long: the step is one sequence of phases, each a call into a component; split, the order would be harder to read
     def __call__(self, timer: StepTimer) -> StepResult:
         plan, parallel = self.plan, self.actor.parallel
         advantage = plan.advantage
@@ -146,7 +145,6 @@ class GRPOStep:
         sync_weights(self.actor.model, self.engine, self.plan.weight_bucket_bytes)
 
 
-# long: the run's set-up in the order it must happen (the plan before the process group, the critic before the resume)
 def run_grpo(config: GRPOConfig) -> None:
     model_config, trainer = config.actor_rollout_ref.model, config.trainer
     check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})

@@ -14,7 +14,7 @@ from fsdptrain.config.base import one_of, read_config
 from fsdptrain.config.grpo import ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, own_checks, validate_critic
 from fsdptrain.config.shared import validate_sequence_parallel
 from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
-from fsdptrain.distributed.mesh import World, world_from_environment
+from fsdptrain.distributed.mesh import World, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import compute_dtype, warn_if_emulated
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
@@ -45,8 +45,6 @@ class CriticPlan:
 
 @dataclass(frozen=True)
 class GRPOPlan:
-    world: World
-    dp_size: int
     sp_size: int
     sequence_length: int  # data.max_prompt_length + data.max_response_length
     forward: ForwardSettings
@@ -232,8 +230,7 @@ def check_layout(config: GRPOConfig, world: World) -> None:
     """Sizes that depend on the number of ranks."""
     data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     sp, tp = actor.ulysses_sequence_parallel_size, rollout.tensor_model_parallel_size
-    if world.world_size % sp:
-        raise ConfigError(f"ulysses_sequence_parallel_size ({sp}) must divide the number of processes ({world.world_size})")
+    check_sp_divides_world(sp, world.world_size)
     if world.world_size % tp:
         raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world.world_size}): "
                           "each engine spans that many consecutive ranks")
@@ -342,7 +339,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                            config.critic.grad_clip),
             critic_batching(config, forward=False), critic_batching(config, forward=True))
     return GRPOPlan(
-        world=world, dp_size=dp, sp_size=sp, sequence_length=sequence_length(config),
+        sp_size=sp, sequence_length=sequence_length(config),
         forward=ForwardSettings(model.use_remove_padding, model.share_prompts, model.chunked_loss_tokens, rollout.temperature, pad_id),
         loss=loss,
         update=UpdateSettings(actor.ppo_epochs, actor.ppo_mini_batch_size // dp * rollout.n, actor.shuffle, trainer.seed, actor.grad_clip),

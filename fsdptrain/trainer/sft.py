@@ -10,7 +10,7 @@ from fsdptrain.config.sft import SFTConfig
 from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, check_files_exist, load_sft_samples
 from fsdptrain.data.micro_batches import collate, forward_batches, loss_tokens, plan_micro_batches
-from fsdptrain.distributed.mesh import Parallel, world_from_environment
+from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks, once_per_sp_group
 from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.loading import load_model_config, load_tokenizer
@@ -65,7 +65,7 @@ def validate(model: nn.Module, samples: Sequence[Sample], plan: SFTPlan, paralle
 
 
 def run_sft(config: SFTConfig) -> None:
-    plan = plan_sft(config, world_from_environment(config.trainer.device))
+    plan = plan_sft(config)
     check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})
     parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size, config.trainer.nccl_timeout)
     claim_run_directory(config.trainer, parallel)

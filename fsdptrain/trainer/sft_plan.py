@@ -9,16 +9,12 @@ from omegaconf import DictConfig
 from fsdptrain.config.base import read_config
 from fsdptrain.config.sft import SFTConfig, own_checks
 from fsdptrain.data.micro_batches import MicroBatching, check_batch_layout, validate_micro_batching
-from fsdptrain.distributed.mesh import World, world_from_environment
+from fsdptrain.distributed.mesh import World, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import warn_if_emulated
-from fsdptrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class SFTPlan:
-    world: World
-    dp_size: int
-    sp_size: int
     micro_batching: MicroBatching
     packed: bool  # use_remove_padding
     chunked_loss_tokens: int
@@ -39,15 +35,10 @@ def micro_batching(config: SFTConfig) -> MicroBatching:
                          "data.max_token_len_per_gpu")
 
 
-def check_world(world: World, sp_size: int) -> None:
-    if world.world_size % sp_size:
-        raise ConfigError(f"ulysses_sequence_parallel_size ({sp_size}) must divide the number of processes ({world.world_size})")
-
-
 def plan_checks(config: SFTConfig, world: World) -> list[Callable[[], None]]:
     """The rules the config's own checks cannot make: the micro-batches' sizes and the world's."""
     batching, sp = micro_batching(config), config.ulysses_sequence_parallel_size
-    return [lambda: validate_micro_batching(batching, config.data.max_length, "data.max_length"), lambda: check_world(world, sp),
+    return [lambda: validate_micro_batching(batching, config.data.max_length, "data.max_length"), lambda: check_sp_divides_world(sp, world.world_size),
             lambda: check_batch_layout(config.data.train_batch_size, "data.train_batch_size", batching, world.world_size // sp)]
 
 
@@ -63,8 +54,7 @@ def read_sft_config(cfg: DictConfig, problems: Sequence[str] = (), world: World 
     return config
 
 
-def plan_sft(config: SFTConfig, world: World) -> SFTPlan:
+def plan_sft(config: SFTConfig) -> SFTPlan:
     """The run's plan, from a config that `read_sft_config` has checked."""
-    sp = config.ulysses_sequence_parallel_size
-    return SFTPlan(world, world.world_size // sp, sp, micro_batching(config), config.use_remove_padding, config.model.chunked_loss_tokens,
+    return SFTPlan(micro_batching(config), config.use_remove_padding, config.model.chunked_loss_tokens,
                    config.data.balance_dp_token, config.optim.clip_grad)
