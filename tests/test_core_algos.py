@@ -1,33 +1,13 @@
-"""The GRPO family's formulas against values worked out by hand and against verl's definitions written out here
-(per-group loops as verl's core_algos writes them), on small tensors with padding masks."""
+"""The GRPO family's formulas against values worked out by hand, on small tensors with padding masks (against verl's own
+code: test_verl_equivalence.py)."""
 
 import math
-from collections import defaultdict
 
 import pytest
 import torch
 
 from fsdptrain.rl import core_algos
-
-
-def verl_group_advantages(scores, index, estimator, norm_by_std=True, eps=1e-6):
-    """verl's loop: scores grouped by prompt index; one-sample groups get mean 0 (and std 1)."""
-    groups = defaultdict(list)
-    for i, s in enumerate(scores.tolist()):
-        groups[index[i]].append(s)
-    out = []
-    for i, s in enumerate(scores.tolist()):
-        members = torch.tensor(groups[index[i]])
-        n = len(members)
-        mean = members.mean() if n > 1 else torch.tensor(0.0)
-        if estimator == "grpo":
-            std = members.std() if n > 1 else torch.tensor(1.0)
-            out.append((s - mean) / (std + eps) if norm_by_std else s - mean)
-        elif estimator == "rloo":
-            out.append(s * n / (n - 1) - mean * n / (n - 1) if n > 1 else torch.tensor(0.0))
-        else:
-            out.append(s - mean)
-    return torch.stack([torch.as_tensor(o, dtype=torch.float32) for o in out])
+from fsdptrain.rl.core_algos import GroupSettings, PolicyLossSettings, PolicyTokens
 
 
 def test_grpo_advantages_by_hand():
@@ -36,19 +16,11 @@ def test_grpo_advantages_by_hand():
     std = math.sqrt(1 / 3)  # Bessel's: four scores ±0.5 around 0.5
     expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0.5]) / torch.tensor([std + 1e-6] * 4 + [1 + 1e-6])
     torch.testing.assert_close(core_algos.group_advantages(scores, groups, "grpo"), expected)
-    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "grpo", norm_by_std=False),
+    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "grpo", GroupSettings(norm_by_std=False)),
                                torch.tensor([0.5, -0.5, -0.5, 0.5, 0.5]))  # Dr. GRPO: no std, a lone sample keeps its score
-    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0]))
-
-
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
-@pytest.mark.parametrize("norm", [True, False])
-def test_group_advantages_equal_verls_loops(estimator, norm):
-    g = torch.Generator().manual_seed(0)
-    scores = torch.rand(14, generator=g)
-    index = [0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 3, 3, 3, 3]
-    got = core_algos.group_advantages(scores, torch.tensor(index), estimator, norm_by_std=norm)
-    torch.testing.assert_close(got, verl_group_advantages(scores, index, estimator, norm), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.5]))
+    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "rloo_vectorized"),
+                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0]))  # verl's vectorized form: 0 for a lone sample
 
 
 def test_reinforce_plus_plus_returns_and_whitening():
@@ -87,25 +59,38 @@ def test_aggregation_by_hand_and_split_anywhere(mode, expected):
         assert float(scaled) == pytest.approx((3 / 2 + 4 / 2) / 2)
 
 
+def flat_tokens(log_probs, old, advantages, mask, sequences=None) -> PolicyTokens:
+    """PolicyTokens of flat tokens, each its own sequence unless `sequences` (each token's sequence index)."""
+    sequences = torch.arange(len(mask)) if sequences is None else sequences
+    count = int(sequences.max()) + 1
+    lengths = core_algos.sequence_sums(mask, sequences, count)[sequences]
+
+    def sequence_mean(values):
+        return core_algos.sequence_sums(values * mask, sequences, count)[sequences] / lengths.clamp(min=1)
+
+    return PolicyTokens(log_probs, old, advantages, mask, sequence_mean, lengths)
+
+
 def test_vanilla_loss_clips_and_dual_clips_by_hand():
     advantages = torch.tensor([1.0, -1.0, -1.0, 1.0])
     ratios = torch.tensor([1.5, 0.5, 5.0, 1.1])
     old = torch.zeros(4)
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    loss, clipped, lower = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, None, 0.2, 0.2, 3.0)
+    tokens = flat_tokens(ratios.log(), old, advantages, mask)
+    loss, clipped, lower = core_algos.vanilla_policy_loss(tokens, PolicyLossSettings(0.2, 0.2, 3.0))
     # A=1, r=1.5: max(-1.5, -1.2) = -1.2 (clipped); A=-1, r=0.5: max(0.5, 0.8) = 0.8 (clipped);
     # A=-1, r=5: max(5, 1.2) = 5, dual clip min(5, 3) = 3 (lower-clipped); A=1, r=1.1: -1.1.
     torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8, 3.0, -1.1]))
     assert clipped.tolist() == [1.0, 1.0, 0.0, 0.0] and lower.tolist() == [0.0, 0.0, 1.0, 0.0]
-    loss, _, _ = core_algos.vanilla_policy_loss(ratios.log(), old, advantages, mask, None, 0.2, 0.28, 3.0)
+    loss, _, _ = core_algos.vanilla_policy_loss(tokens, PolicyLossSettings(0.2, 0.28, 3.0))
     assert float(loss[0]) == pytest.approx(-1.28)  # clip-higher
 
 
 def test_first_ratio_is_exactly_one_and_its_gradient_is_the_advantage():
     log_probs = torch.tensor([-2.0, -1.0, -3.0], requires_grad=True)
     advantages = torch.tensor([0.5, -1.0, 2.0])
-    loss, clipped, _ = core_algos.vanilla_policy_loss(log_probs, log_probs.detach(), advantages, torch.ones(3), None,
-                                                      0.2, 0.2, 3.0)
+    tokens = flat_tokens(log_probs, log_probs.detach(), advantages, torch.ones(3))
+    loss, clipped, _ = core_algos.vanilla_policy_loss(tokens, PolicyLossSettings())
     torch.testing.assert_close(loss, -advantages)
     loss.sum().backward()
     torch.testing.assert_close(log_probs.grad, -advantages)
@@ -117,9 +102,7 @@ def test_gspo_uses_the_sequence_ratio_with_token_gradients():
     old = torch.tensor([0.0, 0.0, -1.0])
     sequences, mask = torch.tensor([0, 0, 1]), torch.ones(3)
     advantages = torch.tensor([1.0, 1.0, -1.0])
-    sums = core_algos.sequence_sums((log_probs.detach() - old) * mask, sequences, 2)
-    sequence_log_ratio = sums[sequences] / torch.tensor([2.0, 2.0, 1.0])
-    loss, clipped, _ = core_algos.gspo_policy_loss(log_probs, old, advantages, mask, sequence_log_ratio, 0.5, 0.5, 3.0)
+    loss, clipped, _ = core_algos.gspo_policy_loss(flat_tokens(log_probs, old, advantages, mask, sequences), PolicyLossSettings(0.5, 0.5))
     # sequence 0: exp(mean(log 2, 0)) = sqrt(2), inside 1.5: -sqrt(2) on both tokens; sequence 1: ratio 1
     torch.testing.assert_close(loss.detach(), torch.tensor([-math.sqrt(2), -math.sqrt(2), 1.0]))
     loss.sum().backward()

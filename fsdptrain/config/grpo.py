@@ -63,6 +63,27 @@ def validate_rl_model(model: RLModelConfig) -> None:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    kl_cov_ratio: float
+    ppo_kl_coef: float
+    dro_beta: float | None
+    policy_drift_coef: float
+
+
+def validate_policy_loss(actor: "ActorConfig") -> None:
+    loss, key = actor.policy_loss, f"{ACTOR}.policy_loss"
+    if loss.loss_mode == "dro" and (loss.dro_beta is None or loss.dro_beta <= 0):
+        raise ConfigError(f"{key}.loss_mode=dro needs {key}.dro_beta > 0 (its quadratic log-ratio penalty), got {loss.dro_beta}")
+    if loss.loss_mode in ("clip_cov", "kl_cov"):
+        positive(f"{key}.{loss.loss_mode}_ratio", getattr(loss, f"{loss.loss_mode}_ratio"))
+    if loss.loss_mode == "sapo":
+        positive(f"{ACTOR}.tau_pos", actor.tau_pos)
+        positive(f"{ACTOR}.tau_neg", actor.tau_neg)
+    if loss.loss_mode == "cpgd" and (actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio) >= 1:
+        raise ConfigError(f"{ACTOR}.policy_loss.loss_mode=cpgd clips the log-ratio at log(1 - clip_ratio_low): "
+                          f"{ACTOR}.clip_ratio_low must be < 1")
 
 
 @dataclass
@@ -79,6 +100,8 @@ class ActorConfig:
     clip_ratio_low: float | None
     clip_ratio_high: float | None
     clip_ratio_c: float
+    tau_pos: float
+    tau_neg: float
     policy_loss: PolicyLossConfig
     loss_agg_mode: str
     loss_scale_factor: float | None
@@ -104,6 +127,7 @@ def validate_actor(actor: ActorConfig, packed: bool) -> None:
     if actor.skip_zero_advantage and (actor.entropy_coeff != 0 or actor.use_kl_loss):
         raise ConfigError(f"{ACTOR}.skip_zero_advantage=true needs {ACTOR}.entropy_coeff=0 and {ACTOR}.use_kl_loss=false (got "
                           f"{actor.entropy_coeff} and {str(actor.use_kl_loss).lower()}): those terms train a response whatever its advantage")
+    validate_policy_loss(actor)
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
         warnings.warn(f"GSPO is defined with loss_agg_mode=seq-mean-token-mean; got {actor.loss_agg_mode}", stacklevel=3)
 
@@ -271,6 +295,8 @@ class FilterGroupsConfig:
 class RolloutCorrectionConfig:
     rollout_is: str | None
     rollout_is_threshold: float
+    bypass_mode: bool
+    loss_type: str
 
 
 @dataclass
@@ -307,6 +333,7 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
                               "filtered before the log-probs that the reward's KL penalty needs; use seq_reward")
     correction = algorithm.rollout_correction
     one_of("algorithm.rollout_correction.rollout_is", correction.rollout_is, (None, "token", "sequence"))
+    one_of("algorithm.rollout_correction.loss_type", correction.loss_type, ("ppo_clip", "reinforce"))
     if correction.rollout_is is not None:
         positive("algorithm.rollout_correction.rollout_is_threshold", correction.rollout_is_threshold)
 

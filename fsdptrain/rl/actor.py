@@ -40,10 +40,9 @@ class LossSettings:
     """The policy loss (actor_rollout_ref.actor.*): `kl_coef` None without the KL loss."""
 
     loss_mode: str  # a name in core_algos.POLICY_LOSSES
-    agg_mode: str  # a name in core_algos.LOSS_AGG_MODES
-    clip_low: float
-    clip_high: float
-    clip_c: float
+    agg_mode: str  # a name in core_algos.LOSS_AGG_MODES: of the entropy and KL terms
+    policy_agg_mode: str  # of the policy loss: agg_mode, or the one its loss always takes
+    policy: core_algos.PolicyLossSettings
     entropy_coeff: float
     kl_coef: float | None
     kl_type: str
@@ -147,15 +146,14 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
         if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
             store_token_values(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
-        sequence_log_ratio = None
-        if loss_settings.loss_mode == "gspo":
-            sequence_log_ratio = sequence_mean(log_probs.detach() - old, mask, targets, num_sequences, parallel)
-        pg, clipped, lower = core_algos.POLICY_LOSSES[loss_settings.loss_mode](
-            log_probs, old, targets["advantage"], mask, sequence_log_ratio, loss_settings.clip_low, loss_settings.clip_high, loss_settings.clip_c)
+        tokens = core_algos.PolicyTokens(log_probs, old, targets["advantage"], mask,
+                                         partial(sequence_mean, mask=mask, targets=targets, num_sequences=num_sequences, parallel=parallel),
+                                         targets["sequence_tokens"])
+        pg, clipped, lower = core_algos.POLICY_LOSSES[loss_settings.loss_mode](tokens, loss_settings.policy)
         if "rollout_is_weight" in targets:
             pg = pg * targets["rollout_is_weight"]
         per_token = partial(aggregate, mask=mask, sequence_tokens=targets["sequence_tokens"])
-        loss = per_token(pg)
+        loss = per_token(pg, mode=loss_settings.policy_agg_mode)
         if loss_settings.entropy_coeff != 0:  # else the entropy is only a metric, and its backward is skipped
             loss = loss - loss_settings.entropy_coeff * per_token(entropy)
         if loss_settings.kl_coef is not None:

@@ -25,6 +25,7 @@ class AdvantageSettings:
     lam: float
     kl_penalty: str  # the KL estimator of the KL in the reward (algorithm.use_kl_in_reward)
     clip: float | None  # algorithm.advantage_clip
+    sources: tuple[tuple[str, float], ...]  # each reward source's name and weight (reward.sources, then the batch sources)
 
 
 def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> list[torch.Tensor]:
@@ -55,19 +56,40 @@ def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], ge
     return {"actor/reward_kl_penalty": total / count, "actor/reward_kl_penalty_coeff": beta}
 
 
-def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], group_ids: torch.Tensor, estimator: str,
-                     norm_by_std: bool, gamma: float, parallel: Parallel) -> list[torch.Tensor]:
-    """Each response's per-token advantages (`group_ids`: each response's group): a group estimator's value
-    (from the summed rewards) on every token, or a token estimator's; those registered `whitened` whitened over
-    every rank's response tokens."""
-    masks, registry = [g.mask for g in generations], core_algos.ADVANTAGE_ESTIMATORS
-    if registry.info[estimator]["kind"] == "token":
-        advantages = [registry[estimator](reward, mask, gamma) for reward, mask in zip(token_rewards, masks)]
+def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], group_ids: torch.Tensor,
+                     settings: AdvantageSettings, parallel: Parallel, source_scores: torch.Tensor | None = None,
+                     baselines: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Each response's per-token advantages (`group_ids`: each response's group) by the estimator of `settings`: a
+    group estimator's value (from the summed rewards) on every token; a sources estimator's, from `source_scores`
+    (responses, sources; None without sources: the summed rewards alone) and the sources' weights; a token
+    estimator's; a baseline estimator's, from `baselines` (each response's prompt's greedy score). Those registered `whitened` are whitened over every
+    rank's response tokens. Returns (advantages, the returns where the estimator gives them)."""
+    masks, registry, estimator = [g.mask for g in generations], core_algos.ADVANTAGE_ESTIMATORS, settings.estimator
+    kind, returns = registry.info[estimator]["kind"], None
+    if kind == "token":
+        advantages = [registry[estimator](reward, mask, settings.gamma) for reward, mask in zip(token_rewards, masks)]
+    elif kind == "baseline":
+        advantages, returns = map(list, zip(*(registry[estimator](reward, mask, baseline)
+                                               for reward, mask, baseline in zip(token_rewards, masks, baselines))))
     else:
         scores = torch.stack([reward.sum() for reward in token_rewards])
-        per_sequence = core_algos.group_advantages(scores, group_ids, estimator, norm_by_std)
+        group = core_algos.GroupSettings(settings.norm_by_std, batch_scale=nonzero_scale(scores, parallel))
+        if kind == "sources":
+            weights = torch.tensor([weight for _, weight in settings.sources] or [1.0], dtype=scores.dtype)
+            per_sequence = registry[estimator](scores[:, None] if source_scores is None else source_scores, weights, group_ids, group)
+        else:
+            lengths = torch.stack([mask.sum() for mask in masks])
+            per_sequence = core_algos.group_advantages(scores, group_ids, estimator, group, lengths)
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
-    return whitened(advantages, masks, parallel) if registry.info[estimator].get("whitened") else advantages
+    if registry.info[estimator].get("whitened"):
+        advantages = whitened(advantages, masks, parallel)
+    return advantages, returns
+
+
+def nonzero_scale(scores: torch.Tensor, parallel: Parallel) -> float:
+    """The batch's responses over those scored nonzero, over every rank (GPG's alpha)."""
+    count, nonzero = all_reduce_sum([float(len(scores)), float((scores != 0).sum())], parallel.device, parallel.dp_group)
+    return count / max(nonzero, 1.0)
 
 
 def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation], estimator: str,

@@ -7,17 +7,24 @@ whole sequence (its token count, GSPO's mean log-ratio) comes in per token, so t
 slice of a batch.
 """
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from fsdptrain.registry import Registry
 
-# Each estimator registers its kind: "group" maps one prompt's scores (n,) to its responses' advantages (scores,
-# norm_by_std, eps); "token" one response's per-token rewards and mask to its advantages (token_rewards, mask,
-# gamma); "critic" one response's per-token rewards, the critic's values, its mask, gamma and lambda to its
-# (advantages, returns). `whitened`: whitened afterwards over the whole batch's tokens (every rank's).
+# Each estimator registers its kind: "group" maps one prompt's scores (n,) and response lengths to its responses'
+# advantages (scores, lengths, GroupSettings); "sources" the batch's per-source scores, the sources' weights and the
+# group ids to the responses' advantages; "token" one response's per-token rewards and mask to its advantages
+# (token_rewards, mask, gamma); "baseline" one response's per-token rewards, mask and its prompt's greedy score to
+# (advantages, returns); "critic" one response's per-token rewards, the critic's values, its mask, gamma and
+# lambda to its (advantages, returns). `whitened`: whitened afterwards over the whole batch's tokens (every rank's).
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
-# Each loss: (log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low, clip_high, clip_c) ->
-# (per-token loss, clipped mask, lower-clipped mask).
+# Each loss: (PolicyTokens, PolicyLossSettings) -> (per-token loss, clipped mask, lower-clipped mask). `agg_mode`:
+# the aggregation it always takes; `batch_local`: it reads statistics of its micro-batch (its gradient depends on
+# the split); `old_from_rollout`: its old log-probs are the rollout engine's.
 POLICY_LOSSES: Registry = Registry("policy loss")
 # Each mode: (masked per-token loss, sequence_tokens, global tokens, global sequences, Dr. GRPO's norm) -> scalar.
 LOSS_AGG_MODES: Registry = Registry("loss aggregation mode")
@@ -26,38 +33,102 @@ KL_ESTIMATORS: Registry = Registry("KL estimator")
 
 
 # ---- advantages -----------------------------------------------------------------------------------------------
-# A one-sample group has mean 0 (and, for grpo, std 1).
-@ADVANTAGE_ESTIMATORS.register("grpo", kind="group")
-def grpo_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
-    """(s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean."""
-    n = len(scores)
-    mean = scores.mean() if n > 1 else torch.zeros((), dtype=scores.dtype)
-    std = scores.std() if n > 1 else torch.ones((), dtype=scores.dtype)
-    return (scores - mean) / (std + eps) if norm_by_std else scores - mean
+@dataclass(frozen=True)
+class GroupSettings:
+    """What a group estimator reads besides its group's scores."""
+
+    norm_by_std: bool = True  # algorithm.norm_adv_by_std_in_grpo
+    eps: float = 1e-6
+    batch_scale: float = 1.0  # GPG's alpha: the batch's responses over those scored nonzero (every rank's)
+
+
+def group_mean_std(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's mean and Bessel std; a one-sample group has mean 0 and std 1, as verl's."""
+    if len(scores) > 1:
+        return scores.mean(), scores.std()
+    return torch.zeros((), dtype=scores.dtype), torch.ones((), dtype=scores.dtype)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo", "grpo_vectorized", kind="group")
+def grpo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+    """(s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean (Dr. GRPO)."""
+    mean, std = group_mean_std(scores)
+    return (scores - mean) / (std + settings.eps) if settings.norm_by_std else scores - mean
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo", kind="group")
-def rloo_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
-    """n / (n - 1) (s - mean): the leave-one-out baseline."""
+def rloo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+    """n / (n - 1) (s - mean): the leave-one-out baseline; a lone sample keeps its score, as verl's loop."""
     n = len(scores)
-    return (scores - scores.mean()) * n / (n - 1) if n > 1 else torch.zeros_like(scores)
+    return (scores - scores.mean()) * n / (n - 1) if n > 1 else scores.clone()
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo_vectorized", kind="group")
+def rloo_vectorized_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+    """RLOO as verl's vectorized form: the same, but a lone sample gets 0."""
+    return rloo_advantages(scores, lengths, settings) if len(scores) > 1 else torch.zeros_like(scores)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", kind="group", whitened=True)
-def baseline_advantages(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+def baseline_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """s - mean (REINFORCE++ with a group baseline; the batch whitening follows in the caller, over every rank)."""
-    mean = scores.mean() if len(scores) > 1 else torch.zeros((), dtype=scores.dtype)
-    return scores - mean
+    return scores - group_mean_std(scores)[0]
 
 
-def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("opo", kind="group")
+def opo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+    """OPO: s minus the length-weighted mean of the group's scores, sum(len s) / sum(len), the baseline that is
+    optimal for a sequence-level reward."""
+    if len(scores) == 1:
+        return scores.clone()
+    return scores - (lengths * scores).sum() / lengths.sum()
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_passk", kind="group")
+def passk_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+    """Pass@k training: only the group's best response gets an advantage, its margin over the second best
+    (divided by the group's std + eps with norm_by_std); every other response gets 0."""
+    top, index = torch.topk(scores, 2)
+    margin = top[0] - top[1]
+    advantages = torch.zeros_like(scores)
+    advantages[index[0]] = margin / (scores.std() + settings.eps) if settings.norm_by_std else margin
+    return advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("gpg", kind="group")
+def gpg_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+    """GPG: alpha (s - mean), alpha the batch's responses over those scored nonzero (settings.batch_scale)."""
+    return settings.batch_scale * (scores - group_mean_std(scores)[0])
+
+
+def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str, settings: GroupSettings = GroupSettings(),
+                     lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sequence advantages from per-sequence scores (B,) and group ids (B,) (sequences of one prompt), by the
-    group estimator `estimator` of ADVANTAGE_ESTIMATORS."""
+    group estimator `estimator` of ADVANTAGE_ESTIMATORS; `lengths`: each response's token count (OPO's)."""
+    lengths = torch.ones_like(scores) if lengths is None else lengths.to(scores.dtype)
     advantages = torch.empty_like(scores)
     for group in groups.unique():
         members = groups == group
-        advantages[members] = ADVANTAGE_ESTIMATORS[estimator](scores[members], norm_by_std, eps)
+        advantages[members] = ADVANTAGE_ESTIMATORS[estimator](scores[members], lengths[members], settings)
     return advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("gdpo", kind="sources", whitened=True)
+def gdpo_advantages(source_scores: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+    """GDPO: each reward source's scores (columns of `source_scores`) normalized within each group as GRPO's, then
+    summed with the sources' weights (the batch whitening follows in the caller)."""
+    advantages = torch.zeros(len(source_scores), dtype=source_scores.dtype)
+    for column, weight in zip(source_scores.T, weights):
+        advantages += weight * group_advantages(column, groups, "grpo", settings)
+    return advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("remax", kind="baseline")
+def remax_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: the reward-to-go of one response minus `baseline`, the score of its prompt's greedy response.
+    Returns (advantages, returns)."""
+    returns = (token_rewards * mask).flip(0).cumsum(0).flip(0)
+    return returns - baseline * mask, returns
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", kind="token", whitened=True)
@@ -113,8 +184,8 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequence_tokens: torch.Tens
     holds, on each token, the number of response tokens of its whole sequence: with it each mode is a plain sum
     over tokens, which any split of the sequences or of their tokens (Ulysses slices) adds back up.
 
-    token-mean: sum over all tokens / global token count. seq-mean-token-sum: per-sequence token sums, averaged
-    over global sequences. seq-mean-token-mean: per-sequence token means, averaged likewise.
+    token-mean: sum over all tokens / global token count. token-sum: the sum over all tokens. seq-mean-token-sum:
+    per-sequence token sums, averaged over global sequences. seq-mean-token-mean: per-sequence token means, averaged likewise.
     seq-mean-token-sum-norm: token sums / (loss_scale_factor or max_response_length), averaged over sequences
     (Dr. GRPO)."""
     return LOSS_AGG_MODES[mode](loss * mask, sequence_tokens, global_tokens, global_sequences, loss_scale_factor or max_response_length)
@@ -123,6 +194,11 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, sequence_tokens: torch.Tens
 @LOSS_AGG_MODES.register("token-mean")
 def token_mean(masked: torch.Tensor, sequence_tokens: torch.Tensor, tokens: float, sequences: float, norm: float) -> torch.Tensor:
     return masked.sum() / max(tokens, 1.0)
+
+
+@LOSS_AGG_MODES.register("token-sum")
+def token_sum(masked: torch.Tensor, sequence_tokens: torch.Tensor, tokens: float, sequences: float, norm: float) -> torch.Tensor:
+    return masked.sum()
 
 
 @LOSS_AGG_MODES.register("seq-mean-token-sum")
@@ -141,30 +217,236 @@ def seq_mean_token_sum_norm(masked: torch.Tensor, sequence_tokens: torch.Tensor,
 
 
 # ---- policy losses ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """Every policy loss's knobs (actor_rollout_ref.actor.*, verl's names and defaults); each loss reads its own."""
+
+    clip_low: float = 0.2  # clip_ratio_low (DPPO: the divergence threshold; CPGD: on the log-ratio)
+    clip_high: float = 0.2  # clip_ratio_high
+    clip_c: float = 3.0  # clip_ratio_c: the dual clip; DPPO's truncation of its ratio
+    tau_pos: float = 1.0  # SAPO's gate temperatures, where the advantage is positive / not
+    tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002  # policy_loss.*: Clip-Cov, KL-Cov, DRO
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
+    policy_drift_coef: float = 0.01  # CPGD's
+    bypass_loss_type: str = "ppo_clip"  # algorithm.rollout_correction.loss_type, under loss_mode bypass_mode
+    rollout_is: str | None = None  # bypass_mode's reinforce weights: their level and cap
+    rollout_is_threshold: float = 2.0
+
+
+@dataclass(frozen=True)
+class PolicyTokens:
+    """One micro-batch's response tokens as a policy loss sees them, flat. `sequence_mean` maps per-token values
+    (detached) to, on each token, their mean over its sequence's response tokens, wherever its slices lie."""
+
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    sequence_mean: Callable[[torch.Tensor], torch.Tensor]
+    sequence_tokens: torch.Tensor  # on each token, its sequence's count of response tokens
+
+
+def log_ratio(tokens: PolicyTokens) -> torch.Tensor:
+    """log(pi / pi_old) per token, clamped to [-20, 20] as verl's."""
+    return (tokens.log_probs - tokens.old_log_probs).clamp(-20.0, 20.0)
+
+
+def on_sequence(value: torch.Tensor, per_token_term: torch.Tensor, tokens: PolicyTokens) -> torch.Tensor:
+    """A per-sequence loss `value` (detached, on each token) spread over its tokens so that their sum is the
+    value and each token's gradient is that of its own `per_token_term` times the value: d value / d term_t when
+    value = f(mean_t term_t) with f' = f. Exact under any split of a sequence over micro-batches or slices."""
+    return value * (1 + per_token_term - per_token_term.detach()) / tokens.sequence_tokens.clamp(min=1)
+
+
 @POLICY_LOSSES.register("vanilla")
-def vanilla_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low: float, clip_high: float, clip_c: float):
+def vanilla_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """PPO's clipped surrogate with dual clip: per-token loss max(-A r, -A clip(r, 1-low, 1+high)), and for A < 0
     at most -A c. Returns (per-token loss, clipped mask, lower-clipped mask)."""
-    ratio = torch.exp((log_probs - old_log_probs).clamp(-20.0, 20.0))
+    advantages, mask = tokens.advantages, tokens.mask
+    ratio = torch.exp(log_ratio(tokens))
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    clipped = -advantages * ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
     loss = torch.maximum(unclipped, clipped)
-    dual = -advantages * clip_c
+    dual = -advantages * settings.clip_c
     lower = (loss > dual) & (advantages < 0)
     loss = torch.where(advantages < 0, torch.minimum(loss, dual), loss)
     return loss, (clipped > unclipped).float() * mask, lower.float() * mask
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo_policy_loss(log_probs, old_log_probs, advantages, mask, sequence_log_ratio, clip_low: float, clip_high: float, clip_c: float):
-    """GSPO: the sequence-level ratio s_i = exp(`sequence_log_ratio`, the mean log(pi / pi_old) over the response,
-    detached, on each of its tokens) carried to each token as s_i exp(logp_t - sg[logp_t]); two-sided clip, no
-    dual clip."""
+def gspo_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """GSPO: the sequence-level ratio s_i = exp(mean log(pi / pi_old) over the response, detached) carried to each
+    token as s_i exp(logp_t - sg[logp_t]); two-sided clip, no dual clip."""
+    log_probs, advantages = tokens.log_probs, tokens.advantages
+    sequence_log_ratio = tokens.sequence_mean((log_probs - tokens.old_log_probs).detach())
     ratio = torch.exp((sequence_log_ratio + log_probs - log_probs.detach()).clamp(max=10.0))
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float() * mask, torch.zeros_like(mask)
+    clipped = -advantages * ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float() * tokens.mask, torch.zeros_like(tokens.mask)
 
+
+@POLICY_LOSSES.register("sapo", agg_mode="seq-mean-token-mean")
+def sapo_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """SAPO: a smooth gate instead of the clip, -A (4 / tau) sigmoid(tau (r - 1)), tau_pos where A > 0 else
+    tau_neg; always averaged per sequence first (seq-mean-token-mean), as verl's."""
+    tau = torch.where(tokens.advantages > 0, settings.tau_pos, settings.tau_neg).to(tokens.log_probs.dtype)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio(tokens)) - 1)) * (4 / tau)
+    return -gate * tokens.advantages, torch.zeros_like(tokens.mask), torch.zeros_like(tokens.mask)
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """GPG: the plain policy gradient -A log pi, no ratio."""
+    return -tokens.log_probs * tokens.advantages, torch.zeros_like(tokens.mask), torch.zeros_like(tokens.mask)
+
+
+def covariance(tokens: PolicyTokens) -> torch.Tensor:
+    """Per token, (A - mean A) (logp - mean logp) with the micro-batch's means over its response tokens."""
+    mask = tokens.mask
+    count = mask.sum().clamp(min=1)
+    log_probs = tokens.log_probs.detach()
+    return (tokens.advantages - (tokens.advantages * mask).sum() / count) * (log_probs - (log_probs * mask).sum() / count)
+
+
+@POLICY_LOSSES.register("clip_cov", batch_local=True)
+def clip_cov_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """Clip-Cov: PPO's clipped surrogate (no dual clip) with the gradient cut from a random clip_cov_ratio of the
+    micro-batch's tokens whose advantage-logp covariance lies in (clip_cov_lb, clip_cov_ub), among those the clip
+    left alone (verl's draw: torch's global generator)."""
+    advantages, mask = tokens.advantages, tokens.mask
+    ratio = torch.exp(tokens.log_probs - tokens.old_log_probs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+    by_clip = (clipped > unclipped) & (mask > 0)
+    cov = covariance(tokens)
+    candidates = ((cov < settings.clip_cov_ub) & (cov > settings.clip_cov_lb) & (mask > 0) & ~by_clip).nonzero().flatten()
+    keep = torch.ones_like(mask)
+    if len(candidates):
+        count = max(int(settings.clip_cov_ratio * mask.sum().item()), 1)
+        keep[candidates[torch.randperm(len(candidates))[:count]]] = 0
+    return torch.maximum(unclipped, clipped) * keep, (keep == 0).float() * mask, torch.zeros_like(mask)
+
+
+@POLICY_LOSSES.register("kl_cov", batch_local=True)
+def kl_cov_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """KL-Cov: the unclipped surrogate -A r, plus ppo_kl_coef |log r| on the kl_cov_ratio of the micro-batch's
+    tokens with the largest advantage-logp covariance (at least one)."""
+    advantages, mask = tokens.advantages, tokens.mask
+    log_ratio_ = tokens.log_probs - tokens.old_log_probs
+    loss = -advantages * torch.exp(log_ratio_)
+    valid = (mask > 0).nonzero().flatten()
+    penalized = torch.zeros_like(mask)
+    if len(valid):
+        advantages_, log_probs = advantages[valid].detach(), tokens.log_probs[valid].detach()
+        cov = (advantages_ - advantages_.mean()) * (log_probs - log_probs.mean())
+        penalized[valid[torch.topk(cov, max(1, int(len(valid) * settings.kl_cov_ratio))).indices]] = 1
+    loss = loss + penalized * settings.ppo_kl_coef * log_ratio_.abs()
+    return loss, penalized * mask, torch.zeros_like(mask)
+
+
+@POLICY_LOSSES.register("geo_mean", agg_mode="seq-mean-token-sum")
+def geo_mean_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """GMPO: per sequence -A exp(mean_t clip_t(log r_t)), the geometric mean of the token ratios, each log-ratio
+    clipped to [-low, high] on the side its advantage's sign pushes; A the sequence's mean advantage; averaged
+    over sequences whatever loss_agg_mode says, as verl's."""
+    advantages = tokens.advantages
+    raw = tokens.log_probs - tokens.old_log_probs
+    sign = torch.sign(advantages)
+    clipped_log_ratio = sign * torch.minimum(sign * raw, sign * raw.clamp(-settings.clip_low, settings.clip_high))
+    advantage = tokens.sequence_mean(advantages)
+    value = -advantage * torch.exp(tokens.sequence_mean(clipped_log_ratio.detach()))
+    clipped = (raw != raw.clamp(-settings.clip_low, settings.clip_high)).float() * tokens.mask
+    return on_sequence(value, clipped_log_ratio, tokens), clipped * (advantages > 0), clipped * (advantages < 0)
+
+
+@POLICY_LOSSES.register("dro")
+def dro_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """DRO: -(A log pi - beta / 2 (log r)^2), a quadratic penalty on the log-ratio (policy_loss.dro_beta)."""
+    log_ratio_ = tokens.log_probs - tokens.old_log_probs
+    loss = -(tokens.log_probs * tokens.advantages - 0.5 * settings.dro_beta * log_ratio_.square())
+    return loss, torch.zeros_like(tokens.mask), torch.zeros_like(tokens.mask)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """CISPO: -sg(clip(r, 1-low, 1+high)) A log pi: the clipped ratio weighs every token's gradient, none is cut."""
+    ratio = torch.exp(log_ratio(tokens))
+    clipped_ratio = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+    loss = -clipped_ratio.detach() * tokens.advantages * tokens.log_probs
+    return loss, (ratio != clipped_ratio).float() * tokens.mask, torch.zeros_like(tokens.mask)
+
+
+def dppo_loss(tokens: PolicyTokens, settings: PolicyLossSettings, inside: torch.Tensor):
+    """DPPO's loss once its trust region `inside` is known: -A sg(min(r, clip_c)) log pi on the tokens inside."""
+    ratio = torch.exp(log_ratio(tokens))
+    inside = inside.detach().float()
+    loss = -tokens.advantages * ratio.clamp(max=settings.clip_c).detach() * tokens.log_probs * inside
+    return loss, (1 - inside) * tokens.mask, (ratio > settings.clip_c).float() * inside * tokens.mask
+
+
+@POLICY_LOSSES.register("dppo_tv")
+def dppo_tv_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """DPPO-Binary-TV: a token trains while pi - pi_old stays within clip_ratio_high (A > 0) or above
+    -clip_ratio_low (A <= 0)."""
+    change = torch.exp(tokens.log_probs) - torch.exp(tokens.old_log_probs)
+    inside = torch.where(tokens.advantages > 0, change <= settings.clip_high, change >= -settings.clip_low)
+    return dppo_loss(tokens, settings, inside)
+
+
+@POLICY_LOSSES.register("dppo_kl")
+def dppo_kl_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """DPPO-Binary-KL: a token trains while the binary KL between pi_old and pi of its token stays within
+    clip_ratio_high (A > 0) or clip_ratio_low (A <= 0), or while pi moves against the advantage's push."""
+    prob, old_prob = torch.exp(tokens.log_probs), torch.exp(tokens.old_log_probs)
+    binary_kl = old_prob * (tokens.old_log_probs - tokens.log_probs) + (1 - old_prob) * torch.log((1 - old_prob + 1e-8) / (1 - prob + 1e-8))
+    inside = torch.where(tokens.advantages > 0, (binary_kl <= settings.clip_high) | (prob <= old_prob),
+                         (binary_kl <= settings.clip_low) | (prob >= old_prob))
+    return dppo_loss(tokens, settings, inside)
+
+
+@POLICY_LOSSES.register("bypass_mode", old_from_rollout=True)
+def bypass_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """verl's rollout-correction bypass: the old log-probs are the rollout engine's (no old-policy pass). loss_type
+    ppo_clip: PPO's clipped surrogate against them; reinforce: -A log pi weighted by the truncated importance
+    weights sg(pi / pi_rollout) at rollout_is's level (none without it)."""
+    if settings.bypass_loss_type == "ppo_clip":
+        return vanilla_policy_loss(tokens, settings)
+    loss = -tokens.advantages * tokens.log_probs
+    if settings.rollout_is is not None:
+        raw = (tokens.log_probs - tokens.old_log_probs).detach() * tokens.mask
+        if settings.rollout_is == "sequence":
+            raw = tokens.sequence_mean(raw) * tokens.sequence_tokens
+        loss = loss * torch.exp(raw.clamp(-20.0, 20.0)).clamp(max=settings.rollout_is_threshold) * tokens.mask
+    return loss, torch.zeros_like(tokens.mask), torch.zeros_like(tokens.mask)
+
+
+@POLICY_LOSSES.register("cpgd")
+def cpgd_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """CPGD (LightRFT; Liu et al. 2025): the policy gradient on the clipped log-ratio, -min(A log r, A clip(log r,
+    log(1-low), log(1+high))), plus policy_drift_coef times the policy drift KL(pi_old || pi), estimated per token
+    by r - 1 - log r."""
+    advantages = tokens.advantages
+    log_ratio_ = log_ratio(tokens)
+    clipped_log_ratio = log_ratio_.clamp(math.log(1 - settings.clip_low), math.log(1 + settings.clip_high))
+    unclipped, clipped = -advantages * log_ratio_, -advantages * clipped_log_ratio
+    drift = torch.exp(log_ratio_) - 1 - log_ratio_
+    loss = torch.maximum(unclipped, clipped) + settings.policy_drift_coef * drift
+    return loss, (clipped > unclipped).float() * tokens.mask, torch.zeros_like(tokens.mask)
+
+
+@POLICY_LOSSES.register("topr")
+def topr_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
+    """TOPR (ROLL; Le Roux et al. 2025): -A log pi, as supervised learning on responses with A >= 0, and weighted
+    by the sequence's truncated ratio sg(min(pi(y) / pi_old(y), 1)) on responses with A < 0."""
+    sequence_log_ratio = tokens.sequence_mean(log_ratio(tokens).detach()) * tokens.sequence_tokens
+    weight = torch.where(tokens.advantages < 0, torch.exp(sequence_log_ratio.clamp(max=0.0)), torch.ones_like(tokens.mask))
+    lower = ((tokens.advantages < 0) & (sequence_log_ratio < 0)).float() * tokens.mask
+    return -tokens.advantages * weight * tokens.log_probs, torch.zeros_like(tokens.mask), lower
 
 
 # ---- the critic's loss ---------------------------------------------------------------------------------------------

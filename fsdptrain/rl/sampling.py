@@ -5,7 +5,7 @@ keeps drawing until enough groups teach something."""
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -161,6 +161,14 @@ class GroupSampler:
         groups = [Group(prompt, [g for g, k in zip(generations, ids) if k == i], [s for s, k in zip(scored, ids) if k == i])
                   for i, prompt in enumerate(prompts)]
         return gather_lists(groups, parallel.ulysses_group) if parallel.sp_size > 1 else groups
+
+    def greedy_scores(self, groups: Sequence[Group]) -> list[float]:
+        """ReMax's baselines: each group's prompt answered once more, greedily, and scored as the training
+        responses are (`seq_reward`)."""
+        prompts = [group.prompt for group in groups]
+        generations = generate(self.engine, self.loops, prompts, replace(self.request, n=1, do_sample=False, calculate_log_probs=False))
+        scored = self.score(generations, prompts, group_ids(len(prompts), 1), f"the greedy baselines of prompt batch {self.cursor.batches}")
+        return [s["seq_reward"] for s in scored]
 
     def wait_for_scores(self, groups: list[Group]) -> None:
         """With score_later, the drawn groups' scores, once the worker thread has them (its error raised here)."""

@@ -39,7 +39,7 @@ from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, multi_turn_metri
 from fsdptrain.rl.remote_reward import RemoteReward
 from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
 from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
-from fsdptrain.rl.rewards import BatchSource, RewardFn, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
+from fsdptrain.rl.rewards import SOURCE, BatchSource, RewardFn, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout_correction import rollout_agreement
@@ -87,8 +87,15 @@ class GRPOStep:
             groups, metrics = self.sampler.next_groups()
         generations, ids = flatten(groups)
         group_ids = torch.tensor(ids)
+        baselines = None
+        if plan.greedy_baseline:
+            with timer("gen_max"):
+                baselines = torch.tensor(self.sampler.greedy_scores(groups))[group_ids]
         samples = make_samples(generations, plan.mask_truncated_completions)
-        if not plan.one_pass:
+        if plan.old_from_rollout:
+            for sample in samples:
+                sample.token_values["old_log_prob"] = sample.token_values["rollout_log_prob"]
+        elif not plan.one_pass:
             with timer("old_log_prob"):
                 self.actor.log_probs(samples, "old_log_prob")
             if plan.agreement:
@@ -115,8 +122,10 @@ class GRPOStep:
                                                         parallel)
                 put_token_values(samples, generations, returns, "returns")
             else:
-                advantages = token_advantages(token_rewards, generations, group_ids, advantage.estimator, advantage.norm_by_std,
-                                              advantage.gamma, parallel)
+                source_scores = None
+                if advantage.sources:
+                    source_scores = torch.tensor([[s[f"{SOURCE}{name}"] for name, _ in advantage.sources] for s in scored])
+                advantages, _ = token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines)
             if advantage.clip is not None:
                 metrics.update(clip_advantages(advantages, generations, advantage.clip, parallel))
             put_token_values(samples, generations, advantages, "advantage")

@@ -21,7 +21,7 @@ from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
 from fsdptrain.rl.advantages import AdvantageSettings
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, MultiTurnSettings
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
-from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossSettings
 from fsdptrain.rl.critic import ValueLossSettings
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
@@ -65,6 +65,8 @@ class GRPOPlan:
     # rollout correction needs its log-probs before the loss; the engine's agreement metrics can then wait for the
     # update's forward, which computes the same log-probs.
     one_pass: bool
+    old_from_rollout: bool  # the engine's sampling log-probs are the old policy's (rollout correction's bypass mode)
+    greedy_baseline: bool  # each prompt is also answered greedily, its score the baseline (ReMax)
     agreement: bool  # the engine's sampling log-probs are kept and compared with the old policy's
     rollout_is: str | None
     rollout_is_threshold: float
@@ -143,10 +145,13 @@ def check_groups(config: GRPOConfig) -> None:
     """What compares the responses of one prompt needs two of them."""
     n, algorithm = config.actor_rollout_ref.rollout.n, config.algorithm
     estimator = algorithm.adv_estimator
-    if estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator]["kind"] == "group" and n < 2:
+    if estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator]["kind"] in ("group", "sources") and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={estimator} compares responses of one prompt: {ROLLOUT}.n must be >= 2, got {n}")
     if algorithm.filter_groups.enable and n < 2:
         raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {n}")
+    if ADVANTAGE_ESTIMATORS.info.get(estimator, {}).get("kind") == "baseline" and (algorithm.reward_norm or algorithm.reward_clip):
+        raise ConfigError(f"algorithm.adv_estimator={estimator} subtracts the greedy response's score from the reward: "
+                          "algorithm.reward_norm and reward_clip would put the two on different scales")
     if algorithm.reward_norm == "group" and n < 2:
         raise ConfigError(f"algorithm.reward_norm=group normalizes over each prompt's responses: {ROLLOUT}.n must be >= 2, got {n}")
 
@@ -156,7 +161,8 @@ def warn_about_estimates(config: GRPOConfig) -> None:
     if algorithm.use_kl_in_reward and config.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
                       "reference: it is counted twice", stacklevel=3)
-    if algorithm.rollout_correction.rollout_is is not None and (rollout.top_p < 1 or rollout.top_k > 0):
+    correction = algorithm.rollout_correction
+    if (correction.rollout_is is not None or correction.bypass_mode) and (rollout.top_p < 1 or rollout.top_k > 0):
         warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
                       "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
                       stacklevel=3)
@@ -211,6 +217,23 @@ def resolve_reward_function(config: GRPOConfig) -> CustomRewardConfig:
         raise ConfigError(f"custom_reward_function.path ({legacy.path}) and reward.custom_reward_function.path ({newer.path}) "
                           "disagree: set one of them")
     return CustomRewardConfig(newer.path, newer.name or legacy.name)
+
+
+def reward_sources(config: GRPOConfig) -> tuple[tuple[str, float], ...]:
+    """Each reward source's name and weight, in the order the scores keep them: reward.sources, the reward model,
+    the remote server."""
+    settings = config.reward_model
+    sources = [(source.name, source.weight) for source in config.reward.sources]
+    sources += [("reward_model", settings.weight)] if settings.enable else []
+    sources += [("remote", settings.remote.weight)] if settings.remote_rm_url else []
+    return tuple(sources)
+
+
+def check_decoupled_sources(config: GRPOConfig) -> None:
+    """GDPO normalizes each source's own scores: a reward that is no source would be left out."""
+    if config.algorithm.adv_estimator == "gdpo" and reward_sources(config) and not config.reward.sources:
+        raise ConfigError("algorithm.adv_estimator=gdpo normalizes each reward source on its own: with the reward model or the remote "
+                          "server as sources, name the rule-based reward in reward.sources too (it is empty)")
 
 
 def check_reward_model_layout(config: GRPOConfig) -> None:
@@ -274,6 +297,7 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: check_one_reward_definition(config),
         lambda: resolve_reward_function(config),
         lambda: check_reward_model_layout(config),
+        lambda: check_decoupled_sources(config),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: check_layout(config, world),
     ]
@@ -315,9 +339,15 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     algorithm, trainer, sp = config.algorithm, config.trainer, actor.ulysses_sequence_parallel_size
     dp = world.world_size // sp
     use_kl_in_reward = algorithm.use_kl_in_reward
-    loss = LossSettings(actor.policy_loss.loss_mode, actor.loss_agg_mode,
-                        actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
-                        actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
+    correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
+    bypass = correction.bypass_mode or policy_loss.loss_mode == "bypass_mode"
+    loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
+    policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
+                                actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
+                                actor.tau_pos, actor.tau_neg, policy_loss.clip_cov_ratio, policy_loss.clip_cov_lb, policy_loss.clip_cov_ub,
+                                policy_loss.kl_cov_ratio, policy_loss.ppo_kl_coef, policy_loss.dro_beta, policy_loss.policy_drift_coef,
+                                correction.loss_type, correction.rollout_is, correction.rollout_is_threshold)
+    loss = LossSettings(loss_mode, actor.loss_agg_mode, POLICY_LOSSES.info[loss_mode].get("agg_mode", actor.loss_agg_mode), policy,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.loss_scale_factor,
                         data.max_response_length, actor.skip_zero_advantage)
     vllm = EngineSettings(memory_share(config, world), rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
@@ -325,7 +355,10 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     engine = EngineSpec(model.path, compute_dtype(actor.fsdp_config.mixed_precision.param_dtype, world.device), world.device, pad_id,
                         model.trust_remote_code, sequence_length(config), trainer.seed + engine_index(world.rank, rollout.tensor_model_parallel_size),
                         rollout.tensor_model_parallel_size, rollout.free_cache_engine, vllm)
-    agreement = rollout.calculate_log_probs or rollout.name == "vllm" or algorithm.rollout_correction.rollout_is is not None
+    # bypass: the engine's log-probs are the old policy's, so there is nothing to compare them with, and its
+    # rollout_is weighs the reinforce loss, not every loss
+    rollout_is = None if bypass else correction.rollout_is
+    agreement = not bypass and (rollout.calculate_log_probs or rollout.name == "vllm" or rollout_is is not None)
     val = rollout.val_kwargs
     multi_turn = rollout.multi_turn
     overlong = config.reward_model.overlong_buffer
@@ -349,7 +382,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         needs_reference=actor.use_kl_loss or use_kl_in_reward,
         engine=engine, engine_name=rollout.name,
         request=RolloutRequest(rollout.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, rollout.temperature,
-                               rollout.top_p, rollout.top_k, rollout.do_sample, calculate_log_probs=agreement),
+                               rollout.top_p, rollout.top_k, rollout.do_sample, calculate_log_probs=agreement or bypass),
         validation=RolloutRequest(val.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu,
                                   val.temperature if val.do_sample and val.temperature > 0 else 1.0, top_p=1.0, top_k=-1,
                                   do_sample=val.do_sample and val.temperature > 0, calculate_log_probs=False),
@@ -357,11 +390,13 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         max_gen_batches=algorithm.filter_groups.max_num_gen_batches,
         score_later=config.reward_model.launch_reward_fn_async,
         one_pass=(actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == data.train_batch_size and not use_kl_in_reward
-                  and algorithm.rollout_correction.rollout_is is None),
+                  and rollout_is is None and not bypass),
+        old_from_rollout=bypass,
+        greedy_baseline=ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "baseline",
         agreement=agreement,
-        rollout_is=algorithm.rollout_correction.rollout_is, rollout_is_threshold=algorithm.rollout_correction.rollout_is_threshold,
+        rollout_is=rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
         advantage=AdvantageSettings(algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, algorithm.lam,
-                                    algorithm.kl_penalty, algorithm.advantage_clip),
+                                    algorithm.kl_penalty, algorithm.advantage_clip, reward_sources(config)),
         mask_truncated_completions=actor.mask_truncated_completions,
         critic_warmup=trainer.critic_warmup,
         weight_bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,

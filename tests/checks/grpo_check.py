@@ -37,7 +37,8 @@ def main() -> None:
             return load_grpo_config(compose(config_name="grpo_trainer", overrides=[
                 "data.train_files=unused.parquet", f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
                 "actor_rollout_ref.model.enable_gradient_checkpointing=false", f"actor_rollout_ref.model.use_remove_padding={packed}",
-                *LAYOUT, f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}", "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", *overrides]))
+                *LAYOUT, f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}", "actor_rollout_ref.model.chunked_loss_tokens=16",
+                "data.max_response_length=12", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1", *overrides]))
 
 
     def plan(*overrides):
@@ -72,6 +73,9 @@ def main() -> None:
         f"{loss_mode} {agg_mode}": gradient(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                                             f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}", "actor_rollout_ref.actor.entropy_coeff=0.01")
         for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES)
+        # a loss that reads its micro-batch's statistics depends on the split; one with its own aggregation, once
+        if not POLICY_LOSSES.info[loss_mode].get("batch_local")
+        and agg_mode == POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
     }
 
     # Samples without advantage skipped (skip_zero_advantage): the same gradient. The odd sequences have none, so

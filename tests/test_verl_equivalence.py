@@ -1,0 +1,233 @@
+"""Every advantage estimator and policy loss that fsdptrain shares with verl 0.9 against the function of the same
+name in verl's own core_algos (the verl==0.9.1 wheel, tests/checks/verl_reference.py), on seeded padded batches with
+uneven lengths, an all-masked row, in every loss aggregation mode: values and gradients to 1e-6 in fp32."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fsdptrain.rl import core_algos
+from fsdptrain.rl.core_algos import GroupSettings, PolicyLossSettings, PolicyTokens
+
+from checks.verl_reference import load_core_algos
+
+verl = load_core_algos()
+pytestmark = pytest.mark.skipif(verl is None, reason="verl 0.9.1 is not unpacked under .cache/ (bash scripts/setup.sh test does it)")
+TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def padded_batch(seed: int, rows: int = 6, width: int = 7, empty_row: bool = True):
+    """(log_probs, old_log_probs, advantages, mask) of `rows` responses of uneven lengths, right-padded; the last
+    row has no response token where `empty_row`. Advantages are per sequence (constant over its tokens) with a
+    zero, ratios on both sides of every clip."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    if empty_row:
+        lengths[-1] = 0
+    mask = (torch.arange(width)[None] < lengths[:, None]).float()
+    log_probs = -torch.rand(rows, width, generator=g) * 3
+    old = log_probs + torch.randn(rows, width, generator=g) * 0.4
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, width).clone()
+    advantages[1] = 0.0
+    return log_probs, old, advantages, mask
+
+
+def ours_tokens(log_probs, old, advantages, mask) -> PolicyTokens:
+    """The flat PolicyTokens of a padded batch, as the actor builds them from a packed micro-batch."""
+    rows, width = mask.shape
+    sequence = torch.arange(rows).repeat_interleave(width)
+    lengths = mask.sum(-1)
+
+    def sequence_mean(values):
+        sums = core_algos.sequence_sums(values * mask.flatten(), sequence, rows)
+        return sums[sequence] / lengths[sequence].clamp(min=1)
+
+    return PolicyTokens(log_probs.flatten(), old.flatten(), advantages.flatten(), mask.flatten(), sequence_mean,
+                        lengths[sequence])
+
+
+def our_loss(loss_mode, agg_mode, settings, log_probs, old, advantages, mask):
+    tokens = ours_tokens(log_probs, old, advantages, mask)
+    per_token, clipped, lower = core_algos.POLICY_LOSSES[loss_mode](tokens, settings)
+    mode = core_algos.POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
+    sequences = float((mask.sum(-1) > 0).sum()) if loss_mode != "geo_mean" else float(len(mask))  # verl's torch.mean over rows
+    loss = core_algos.agg_loss(per_token, tokens.mask, tokens.sequence_tokens, mode, float(mask.sum()), sequences, mask.shape[1])
+    return loss, clipped.sum() / mask.sum(), lower.sum() / mask.sum()
+
+
+def verl_config(settings: PolicyLossSettings, loss_mode: str):
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    policy_loss = PolicyLossConfig(loss_mode=loss_mode, clip_cov_ratio=settings.clip_cov_ratio, clip_cov_lb=settings.clip_cov_lb,
+                                   clip_cov_ub=settings.clip_cov_ub, kl_cov_ratio=settings.kl_cov_ratio, ppo_kl_coef=settings.ppo_kl_coef,
+                                   dro_beta=settings.dro_beta,
+                                   rollout_correction=RolloutCorrectionConfig(loss_type=settings.bypass_loss_type, rollout_is=settings.rollout_is,
+                                                                              rollout_is_threshold=settings.rollout_is_threshold))
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=settings.clip_low, clip_ratio_low=settings.clip_low,
+                       clip_ratio_high=settings.clip_high, clip_ratio_c=settings.clip_c, tau_pos=settings.tau_pos, tau_neg=settings.tau_neg,
+                       policy_loss=policy_loss)
+
+
+def verl_policy_loss(loss_mode, settings, old, log_probs, advantages, mask, agg_mode):
+    """verl's loss of that name; bypass_mode through what verl's compute_policy_loss_bypass_mode dispatches to (its
+    own entry builds a DataProto, which needs tensordict): the vanilla loss against the rollout's log-probs, or
+    compute_policy_loss_reinforce with compute_rollout_correction_weights."""
+    config = verl_config(settings, loss_mode)
+    if loss_mode != "bypass_mode":
+        return verl.get_policy_loss_fn(loss_mode)(old, log_probs, advantages, mask, agg_mode, config)
+    if settings.bypass_loss_type == "ppo_clip":
+        return verl.compute_policy_loss_vanilla(old, log_probs, advantages, mask, agg_mode, config)
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    weights = None
+    if settings.rollout_is is not None:
+        with torch.no_grad():
+            weights, _ = compute_rollout_correction_weights(log_probs - old, mask, settings.rollout_is, settings.rollout_is_threshold)
+    return verl.compute_policy_loss_reinforce(old, log_probs, advantages, mask, agg_mode, config, weights)
+
+
+VERL_LOSSES = ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl", "bypass_mode"]
+SETTINGS = {
+    "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -1.0, "clip_cov_ub": 1.0},  # verl's defaults would touch no token of 35
+    "kl_cov": {"kl_cov_ratio": 0.2},
+    "dro": {"dro_beta": 0.3},
+    "dppo_tv": {"clip_low": 0.1, "clip_high": 0.1, "clip_c": 1.5},
+    "dppo_kl": {"clip_low": 0.02, "clip_high": 0.02, "clip_c": 1.5},
+}
+
+
+@pytest.mark.parametrize("agg_mode", AGG_MODES)
+@pytest.mark.parametrize("loss_mode", VERL_LOSSES)
+def test_every_policy_loss_equals_verls(loss_mode, agg_mode):
+    settings = PolicyLossSettings(**{"clip_low": 0.2, "clip_high": 0.28, **SETTINGS.get(loss_mode, {})})
+    variants = [settings]
+    if loss_mode == "bypass_mode":
+        variants = [dataclasses.replace(settings, bypass_loss_type="reinforce", rollout_is=level) for level in (None, "token", "sequence")]
+        variants.append(settings)
+    for variant in variants:
+        for seed in range(3):
+            log_probs, old, advantages, mask = padded_batch(seed)
+            ours_input = log_probs.clone().requires_grad_()
+            verl_input = log_probs.clone().requires_grad_()
+            torch.manual_seed(seed)  # Clip-Cov's draw, the same on both sides
+            loss, clipfrac, lower = our_loss(loss_mode, agg_mode, variant, ours_input, old, advantages, mask)
+            torch.manual_seed(seed)
+            verl_loss, metrics = verl_policy_loss(loss_mode, variant, old, verl_input, advantages, mask, agg_mode)
+            torch.testing.assert_close(loss, verl_loss, **TOLERANCE)
+            loss.backward()
+            verl_loss.backward()
+            torch.testing.assert_close(ours_input.grad, verl_input.grad, **TOLERANCE)
+            if loss_mode not in ("kl_cov", "bypass_mode") and "actor/pg_clipfrac" in metrics:
+                assert float(clipfrac) == pytest.approx(metrics["actor/pg_clipfrac"], abs=1e-6)
+                if "actor/pg_clipfrac_lower" in metrics:
+                    assert float(lower) == pytest.approx(metrics["actor/pg_clipfrac_lower"], abs=1e-6)
+
+
+GROUPS = np.array([0, 0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 4, 4])  # uneven groups, one of one sample
+
+
+def scores_cases():
+    g = torch.Generator().manual_seed(0)
+    yield "random", torch.rand(len(GROUPS), generator=g)
+    yield "binary", (torch.rand(len(GROUPS), generator=g) > 0.5).float()
+    yield "all equal", torch.full((len(GROUPS),), 0.5)
+
+
+def response_mask(seed: int = 1, width: int = 6) -> torch.Tensor:
+    lengths = torch.randint(1, width + 1, (len(GROUPS),), generator=torch.Generator().manual_seed(seed))
+    return (torch.arange(width)[None] < lengths[:, None]).float()
+
+
+def outcome_token_rewards(scores, mask):
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(len(mask)), mask.sum(-1).long() - 1] = scores
+    return rewards
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "gpg", "grpo_passk",
+                                       "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_every_group_estimator_equals_verls(estimator, norm_by_std):
+    from verl.trainer.config import AlgoConfig
+
+    groups = GROUPS if estimator != "grpo_passk" else np.array([0, 0, 0, 0, 1, 1, 1, 3, 3, 3, 3, 4, 4, 4])  # two a group at least
+    mask = response_mask()[: len(groups)]
+    for case, scores in scores_cases():
+        scores = scores[: len(groups)]
+        verl_advantages, _ = verl.get_adv_estimator_fn(estimator)(
+            token_level_rewards=outcome_token_rewards(scores, mask), response_mask=mask, index=groups,
+            norm_adv_by_std_in_grpo=norm_by_std, config=AlgoConfig(norm_adv_by_std_in_grpo=norm_by_std))
+        batch_scale = len(scores) / max(int((scores != 0).sum()), 1)
+        settings = GroupSettings(norm_by_std=norm_by_std, batch_scale=batch_scale)
+        per_sequence = core_algos.group_advantages(scores, torch.as_tensor(groups), estimator, settings, lengths=mask.sum(-1))
+        ours = per_sequence[:, None] * mask
+        if core_algos.ADVANTAGE_ESTIMATORS.info[estimator].get("whitened"):
+            ours = whiten(ours, mask)
+        torch.testing.assert_close(ours, verl_advantages, **TOLERANCE, msg=case)
+
+
+def whiten(values, mask):
+    flat, m = values.flatten(), mask.flatten()
+    return core_algos.masked_whiten(values, mask, float((flat * m).sum()), float((flat.square() * m).sum()), float(m.sum()))
+
+
+def test_gdpo_equals_verls_decoupled_normalization():
+    mask = response_mask()
+    g = torch.Generator().manual_seed(3)
+    sources = torch.stack([(torch.rand(len(GROUPS), generator=g) > 0.5).float(), torch.rand(len(GROUPS), generator=g)], 1)
+    sources[:4, 0] = 1.0  # a group where one source is all equal
+    weights = torch.tensor([1.0, 0.5])
+    prompts = torch.zeros(len(GROUPS), 2, dtype=torch.long)
+    attention = torch.cat([torch.ones(len(GROUPS), 2), mask], 1).long()
+    for norm_by_std in (True, False):
+        config = {"norm_adv_by_std_in_grpo": norm_by_std, "gdpo_reward_keys": ["format", "accuracy"], "gdpo_reward_weights": weights.tolist()}
+        verl_advantages, _ = verl.get_adv_estimator_fn("gdpo")(
+            token_level_rewards=outcome_token_rewards(sources @ weights, mask), response_mask=mask, index=GROUPS,
+            norm_adv_by_std_in_grpo=norm_by_std, config=config, non_tensor_batch={"format": sources[:, 0].numpy(), "accuracy": sources[:, 1].numpy()},
+            batch={"prompts": prompts, "attention_mask": attention})
+        per_sequence = core_algos.gdpo_advantages(sources, weights, torch.as_tensor(GROUPS), GroupSettings(norm_by_std=norm_by_std))
+        torch.testing.assert_close(whiten(per_sequence[:, None] * mask, mask), verl_advantages, **TOLERANCE)
+
+
+def test_token_estimators_equal_verls():
+    from verl.trainer.config import AlgoConfig
+
+    mask = response_mask()
+    mask[2, 1:3] = 0  # a tool's tokens inside a response: skipped, not a reset
+    rewards = outcome_token_rewards(torch.rand(len(GROUPS), generator=torch.Generator().manual_seed(4)), response_mask())
+    verl_advantages, verl_returns = verl.get_adv_estimator_fn("reinforce_plus_plus")(
+        token_level_rewards=rewards, response_mask=mask, config=AlgoConfig(gamma=0.9))
+    returns = torch.stack([core_algos.discounted_returns(r, m, 0.9) for r, m in zip(rewards, mask)])
+    torch.testing.assert_close(returns, verl_returns, **TOLERANCE)
+    torch.testing.assert_close(whiten(returns, mask), verl_advantages * mask, **TOLERANCE)
+
+    baselines = torch.rand(len(GROUPS), generator=torch.Generator().manual_seed(5))
+    verl_advantages, verl_returns = verl.get_adv_estimator_fn("remax")(token_level_rewards=rewards, reward_baselines=baselines,
+                                                                       response_mask=mask)
+    ours = [core_algos.remax_advantages(r, m, b) for r, m, b in zip(rewards, mask, baselines)]
+    torch.testing.assert_close(torch.stack([a for a, _ in ours]), verl_advantages, **TOLERANCE)
+    torch.testing.assert_close(torch.stack([r for _, r in ours]), verl_returns, **TOLERANCE)
+
+
+def test_gae_equals_verls():
+    mask = response_mask()
+    g = torch.Generator().manual_seed(6)
+    rewards, values = outcome_token_rewards(torch.rand(len(GROUPS), generator=g), mask), torch.randn(mask.shape, generator=g)
+    verl_advantages, verl_returns = verl.compute_gae_advantage_return(rewards, values, mask, gamma=0.95, lam=0.9)
+    ours = [core_algos.gae_advantages_returns(r, v * m, m, 0.95, 0.9) for r, v, m in zip(rewards, values, mask)]
+    torch.testing.assert_close(torch.stack([r * m for (_, r), m in zip(ours, mask)]), verl_returns * mask, **TOLERANCE)
+    torch.testing.assert_close(whiten(torch.stack([a for a, _ in ours]), mask), verl_advantages * mask, **TOLERANCE)
+
+
+@pytest.mark.parametrize("agg_mode", AGG_MODES)
+def test_aggregation_equals_verls(agg_mode):
+    log_probs, _, advantages, mask = padded_batch(7)
+    loss = log_probs * advantages
+    tokens = ours_tokens(log_probs, log_probs, advantages, mask)
+    ours = core_algos.agg_loss(loss.flatten(), tokens.mask, tokens.sequence_tokens, agg_mode, float(mask.sum()),
+                               float((mask.sum(-1) > 0).sum()), mask.shape[1])
+    torch.testing.assert_close(ours, verl.agg_loss(loss, mask, agg_mode), **TOLERANCE)
