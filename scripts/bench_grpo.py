@@ -67,7 +67,8 @@ def run_fsdptrain(system: str, args) -> dict:
         metrics = [json.loads(line) for line in f]
     rows = [json.loads(line) for line in open(os.path.join(out, "rollouts", "1.jsonl"))]
     responses = args.prompts * args.responses
-    steps = [{"step": m["timing_s/step"], "gen": m["timing_s/gen"], "old_log_prob": m.get("timing_s/old_log_prob", 0.0),
+    steps = [{"step": m["timing_s/step"], "gen": m["timing_s/gen"], "greedy": m.get("timing_s/gen_max", 0.0),
+              "old_log_prob": m.get("timing_s/old_log_prob", 0.0),
               "update": m["timing_s/update_actor"], "sync": m["timing_s/update_weights"],
               "generated_tokens": m["response_length/mean"] * responses,
               "trained_tokens": (m["response_length/mean"] + m["prompt_length/mean"]) * responses} for m in metrics]
@@ -98,7 +99,7 @@ def run_trl(system: str, args) -> dict:
         timing = {key: max(rank[key][i] for rank in ranks) for key in ("step", "gen", "sync")}
         tokens = log["num_tokens"] - (logs[i - 1]["num_tokens"] if i else 0)
         generated = log["completions/mean_length"] * args.prompts * args.responses
-        steps.append({"step": timing["step"], "gen": timing["gen"] - timing["sync"], "old_log_prob": 0.0,
+        steps.append({"step": timing["step"], "gen": timing["gen"] - timing["sync"], "greedy": 0.0, "old_log_prob": 0.0,
                       "update": timing["step"] - timing["gen"], "sync": timing["sync"], "generated_tokens": generated, "trained_tokens": tokens})
     first = [pair for rank in ranks for pair in rank["first_advantages_and_lengths"]]
     # Each rank's loss is its share of the sum over the global token count times the number of ranks (DDP averages).
@@ -185,26 +186,27 @@ def summary(result: dict) -> dict:
     """Means over steps 2..N."""
     later = result["steps"][1:] or result["steps"]
     mean = {key: sum(s[key] for s in later) / len(later) for key in later[0]}
-    return {"step_s": mean["step"], "gen_s": mean["gen"], "old_log_prob_s": mean["old_log_prob"], "update_s": mean["update"],
+    return {"step_s": mean["step"], "gen_s": mean["gen"], "greedy_s": mean["greedy"], "old_log_prob_s": mean["old_log_prob"], "update_s": mean["update"],
             "sync_s": mean["sync"], "generated_tokens_per_s": mean["generated_tokens"] / mean["gen"],
             "trained_tokens_per_s": mean["trained_tokens"] / mean["step"]}
 
 
 def table(results: dict) -> str:
     base = results.get("fsdptrain-vllm") or results.get("fsdptrain-hf")
-    lines = ["| system | step s | vs fsdptrain | gen s | old log-prob s | update s | sync s (share) | gen tok/s | trained tok/s "
-             "| peak GB/process | CUDA peak GB | reward, last step | first loss (expected) | engine prob diff max | checkpoint MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | step s | vs fsdptrain | gen s | greedy gen s (ReMax) | old log-prob s | update s | sync s (share) | gen tok/s "
+             "| trained tok/s | peak GB/process | CUDA peak GB | reward, last step | first loss (expected) | engine prob diff max | checkpoint MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for system, r in results.items():
         if "error" in r:
-            lines.append(f"| {system} | did not run: {r['error']} |" + " |" * 13)
+            lines.append(f"| {system} | did not run: {r['error']} |" + " |" * 14)
             continue
         s = summary(r)
         ratio = s["step_s"] / summary(base)["step_s"] if base and "error" not in base else float("nan")
         diff = r.get("probs_diff_max", float("nan"))  # TRL logs its engine's agreement only with its correction on
         checkpoint = f"{r['checkpoint_mb']:.1f}" if r.get("checkpoint_mb") is not None else ""
         cuda_peak = f"{r['cuda_peak_gb']:.1f}" if r.get("cuda_peak_gb") is not None else ""
-        lines.append(f"| {system} | {s['step_s']:.1f} | {ratio:.2f}x | {s['gen_s']:.1f} | {s['old_log_prob_s']:.1f} | {s['update_s']:.1f} "
+        lines.append(f"| {system} | {s['step_s']:.1f} | {ratio:.2f}x | {s['gen_s']:.1f} | {s['greedy_s']:.1f} | {s['old_log_prob_s']:.1f} "
+                     f"| {s['update_s']:.1f} "
                      f"| {s['sync_s']:.2f} ({s['sync_s'] / s['step_s']:.0%}) | {s['generated_tokens_per_s']:.0f} "
                      f"| {s['trained_tokens_per_s']:.0f} | {r['max_proc_rss_gb']:.2f} | {cuda_peak} | {r['reward']:.3f} "
                      f"| {r['first_loss']:.6f} ({r['first_loss_expected']:.6f}) | {diff:.1e} | {checkpoint} |")

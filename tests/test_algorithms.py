@@ -26,12 +26,13 @@ RUNS = {  # a loss with an estimator, and their own keys
     "cispo-remax": {f"{ACTOR}__policy_loss__loss_mode": "cispo", "algorithm__adv_estimator": "remax"},
     "dppo_tv-reinforce_plus_plus": {f"{ACTOR}__policy_loss__loss_mode": "dppo_tv", "algorithm__adv_estimator": "reinforce_plus_plus"},
     "dppo_kl-reinforce_plus_plus_baseline": {f"{ACTOR}__policy_loss__loss_mode": "dppo_kl",
-                                             "algorithm__adv_estimator": "reinforce_plus_plus_baseline"},
+                                             "algorithm__adv_estimator": "reinforce_plus_plus_baseline",
+                                             "algorithm__reward_norm": "group", "algorithm__reward_shift": "true"},
     "bypass_ppo_clip-rloo": {f"{CORRECTION}__bypass_mode": "true", "algorithm__adv_estimator": "rloo"},
     "bypass_reinforce-grpo": {f"{CORRECTION}__bypass_mode": "true", f"{CORRECTION}__loss_type": "reinforce",
                               f"{CORRECTION}__rollout_is": "sequence"},
-    "cpgd-grpo": {f"{ACTOR}__policy_loss__loss_mode": "cpgd"},
-    "topr-rloo": {f"{ACTOR}__policy_loss__loss_mode": "topr", "algorithm__adv_estimator": "rloo"},
+    "cpgd-grpo": {f"{ACTOR}__policy_loss__loss_mode": "cpgd", f"{ACTOR}__sft_loss_coef": 0.5},
+    "topr-rloo": {f"{ACTOR}__policy_loss__loss_mode": "topr", "algorithm__adv_estimator": "rloo", "algorithm__whiten_advantages": "true"},
 }
 METRICS = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
            "critic/advantages/mean", "critic/score/mean", "timing_s/adv", "timing_s/update_actor"]
@@ -92,10 +93,12 @@ def expected_advantages(estimator: str, rows: list[dict]) -> np.ndarray:
         elif estimator == "grpo_passk":  # pass@k: the best response's margin over the second, in group stds
             order = np.argsort(-s, kind="stable")
             out[start + order[0]] = (s[order[0]] - s[order[1]]) / (s.std(ddof=1) + 1e-6)
-        elif estimator == "rloo_vectorized":
+        elif estimator in ("rloo", "rloo_vectorized"):
             out[start : start + N] = (s - s.mean()) * N / (N - 1)
         elif estimator == "grpo_vectorized":
             out[start : start + N] = (s - s.mean()) / (s.std(ddof=1) + 1e-6)
+    if estimator == "rloo":  # with whiten_advantages=true
+        out = whitened(out, lengths)
     if estimator == "gdpo":  # GDPO: each source normalized in its group, weighted, then whitened over the tokens
         for source, weight in (("source/e", 1.0), ("source/form", 0.5)):
             values = np.array([r[source] for r in rows])
@@ -108,7 +111,7 @@ def expected_advantages(estimator: str, rows: list[dict]) -> np.ndarray:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sapo-opo", "gpg-gpg", "clip_cov-grpo_passk", "kl_cov-rloo_vectorized", "geo_mean-grpo_vectorized",
-                                  "dro-gdpo"])
+                                  "dro-gdpo", "topr-rloo"])
 def test_the_new_estimators_advantages_are_the_papers(runs, name):
     estimator = RUNS[name]["algorithm__adv_estimator"]
     for step in (1, 2):
@@ -134,3 +137,20 @@ def test_remax_subtracts_the_greedy_responses_score(tmp_path, tiny_llama, rl_dat
     rows = dumped(out, 1)
     assert len({tuple(r["response_ids"]) for r in rows[:N]}) == 1  # one greedy answer a prompt
     assert all(r["advantage"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_reward_shift_only_subtracts_each_groups_mean(runs):
+    """reward_norm=group with reward_shift=true (ROLL's): the rewards trained on are the scores minus their group's
+    mean, so over the batch they average 0 while the scores do not."""
+    for m in read_metrics(runs["dppo_kl-reinforce_plus_plus_baseline"]):
+        assert abs(m["critic/rewards/mean"]) < 1e-6 < m["critic/score/mean"]
+
+
+@pytest.mark.slow
+def test_the_sft_term_is_the_mean_nll_of_the_correct_responses(runs):
+    """sft_loss_coef: actor/sft_loss is logged, a mean NLL of tokens the policy sampled (so between 0 and the
+    uniform distribution's log-vocabulary), where the step has responses scored correct."""
+    metrics = read_metrics(runs["cpgd-grpo"])
+    assert all(0 <= m["actor/sft_loss"] < 12 for m in metrics)
+    assert any(m["actor/sft_loss"] > 0 for m in metrics)

@@ -221,3 +221,56 @@ def test_value_loss_equals_verls(mode):
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(clipped.sum() / mask.sum(), expected_clipfrac)
     assert 0 < float(expected_clipfrac) < 1  # both branches of the clip are exercised
+
+
+def test_cpgd_is_its_papers_objective():
+    """CPGD (Liu et al. 2025, arXiv 2505.12504): maximize sum_t min(ln r_t A_t, clip(ln r_t, ln(1 - eps), ln(1 + eps)) A_t)
+    - alpha KL(pi_old || pi_theta), the drift estimated per sampled token as r - 1 - ln r; written out per token."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(12, generator=g) * 2
+    log_probs = (old + torch.randn(12, generator=g) * 0.5).requires_grad_()
+    advantages = torch.randn(12, generator=g)
+    eps_low, eps_high, alpha = 0.2, 0.28, 0.05
+    objective = []
+    for t in range(12):
+        log_ratio = log_probs[t] - old[t]
+        clipped = torch.clamp(log_ratio, math.log(1 - eps_low), math.log(1 + eps_high))
+        surrogate = torch.minimum(log_ratio * advantages[t], clipped * advantages[t])
+        objective.append(surrogate - alpha * (torch.exp(log_ratio) - 1 - log_ratio))
+    expected = -torch.stack(objective)
+    settings = PolicyLossSettings(clip_low=eps_low, clip_high=eps_high, policy_drift_coef=alpha)
+    loss, clipped_mask, _ = core_algos.cpgd_policy_loss(flat_tokens(log_probs, old, advantages, torch.ones(12)), settings)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss.sum(), log_probs, retain_graph=True)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), log_probs)
+    torch.testing.assert_close(grad, expected_grad)
+    assert 0 < clipped_mask.sum() < 12  # both sides of the clip are exercised
+
+
+def test_topr_is_its_papers_objective():
+    """TOPR (Le Roux et al. 2025, arXiv 2503.14286): maximize sum over trajectories with R >= 0 of R log pi(y), plus over those
+    with R < 0 of sg([pi(y) / mu(y)]_0^1) R log pi(y), log pi(y) the sum of its tokens' log-probs; written out per
+    sequence and summed (the loss aggregated with seq-mean-token-sum, over 3 sequences)."""
+    g = torch.Generator().manual_seed(1)
+    sequences = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    mask = torch.tensor([1.0, 1, 1, 1, 1, 1, 1, 1, 0])  # the last sequence's last token is padding
+    old = -torch.rand(9, generator=g) * 2
+    log_probs = (old + torch.randn(9, generator=g) * 0.3).requires_grad_()
+    rewards = torch.tensor([1.0, -0.5, -2.0])
+    objective = 0.0
+    for i, reward in enumerate(rewards):
+        tokens = (sequences == i) & (mask > 0)
+        log_pi = log_probs[tokens].sum()
+        if reward >= 0:
+            objective = objective + reward * log_pi
+        else:
+            weight = torch.exp(log_pi - old[tokens].sum()).clamp(0, 1).detach()
+            objective = objective + weight * reward * log_pi
+    expected = -objective / 3
+    tokens = flat_tokens(log_probs, old, rewards[sequences], mask, sequences)
+    per_token, _, lower = core_algos.topr_policy_loss(tokens, PolicyLossSettings())
+    loss = core_algos.agg_loss(per_token, mask, tokens.sequence_tokens, "seq-mean-token-sum", 8, 3, 4)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss, log_probs, retain_graph=True)
+    (expected_grad,) = torch.autograd.grad(expected, log_probs)
+    torch.testing.assert_close(grad, expected_grad)

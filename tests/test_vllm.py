@@ -30,7 +30,8 @@ def test_the_engine_samples_from_the_weights_it_was_sent(vllm_model):
 
 def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_model, rl_data):  # noqa: F811
     """Two steps on two ranks that share one engine split over them (tensor_model_parallel_size=2) with a large
-    learning rate: the second step's rollouts come from the updated weights (the engine's log-probs are the
+    learning rate and ReMax's advantages (one more, greedy, rollout a prompt on the engine): the second step's
+    rollouts come from the updated weights (the engine's log-probs are the
     trainer's old-policy ones to 1e-4), the run ends cleanly, and vLLM serves its Hugging Face export. (One engine
     a rank, with the sync's checks, is tests/checks/vllm_check.py.)"""
     out = str(tmp_path)
@@ -38,12 +39,13 @@ def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_mod
                                                     actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
                                                     actor_rollout_ref__rollout__tensor_model_parallel_size=2,
                                                     actor_rollout_ref__actor__optim__lr="1e-2",
-                                                    algorithm__rollout_correction__rollout_is="token",
+                                                    algorithm__rollout_correction__rollout_is="token", algorithm__adv_estimator="remax",
                                                     trainer__checkpoint__save_contents="[hf_model]"))
     assert "tensor_parallel_size=2" in result.stdout + result.stderr  # vLLM's own account of the engine it built
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[0]["actor/grad_norm"] > 0.1
+    assert all(m["timing_s/gen_max"] > 0 for m in metrics)  # ReMax's greedy rollout, on the engine
     for m in metrics:
         assert 1 - 1e-4 < m["rollout_corr/rollout_is_min"] <= m["rollout_corr/rollout_is_max"] < 1 + 1e-4
         assert 0 <= m["training/rollout_probs_diff_mean"] <= m["training/rollout_probs_diff_max"] < 1e-4

@@ -113,6 +113,7 @@ class ActorConfig:
     fsdp_config: FSDPConfig
     mask_truncated_completions: bool
     skip_zero_advantage: bool
+    sft_loss_coef: float
 
 
 def validate_actor(actor: ActorConfig, packed: bool) -> None:
@@ -124,6 +125,11 @@ def validate_actor(actor: ActorConfig, packed: bool) -> None:
         raise ConfigError(f"{ACTOR}.clip_ratio_c must be > 1 (dual clip bounds -A * c), got {actor.clip_ratio_c}")
     validate_sequence_parallel(actor.ulysses_sequence_parallel_size, packed, f"{ACTOR}.ulysses_sequence_parallel_size",
                                "actor_rollout_ref.model.use_remove_padding")
+    if actor.sft_loss_coef < 0:
+        raise ConfigError(f"{ACTOR}.sft_loss_coef must be >= 0, got {actor.sft_loss_coef}")
+    if actor.skip_zero_advantage and actor.sft_loss_coef:
+        raise ConfigError(f"{ACTOR}.skip_zero_advantage=true with {ACTOR}.sft_loss_coef={actor.sft_loss_coef}: the SFT term trains a "
+                          "correct response whatever its advantage")
     if actor.skip_zero_advantage and (actor.entropy_coeff != 0 or actor.use_kl_loss):
         raise ConfigError(f"{ACTOR}.skip_zero_advantage=true needs {ACTOR}.entropy_coeff=0 and {ACTOR}.use_kl_loss=false (got "
                           f"{actor.entropy_coeff} and {str(actor.use_kl_loss).lower()}): those terms train a response whatever its advantage")
@@ -312,8 +318,11 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig
     reward_norm: str | None
     reward_norm_minus_mean: bool
+    reward_shift: bool
+    reward_scale: bool
     reward_clip: float | None
     advantage_clip: float | None
+    whiten_advantages: bool | None
 
 
 def validate_algorithm(algorithm: AlgorithmConfig) -> None:
@@ -339,6 +348,15 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
 
 
 def validate_reward_shaping(algorithm: AlgorithmConfig) -> None:
+    if (algorithm.reward_shift or algorithm.reward_scale) and algorithm.reward_norm is None:
+        raise ConfigError(f"algorithm.reward_{'shift' if algorithm.reward_shift else 'scale'}=true says how algorithm.reward_norm "
+                          "normalizes, and reward_norm is null: set it to batch, group or running")
+    if algorithm.reward_shift and (algorithm.reward_scale or algorithm.reward_norm_minus_mean):
+        raise ConfigError("algorithm.reward_shift=true only subtracts the mean; it cannot go with reward_scale=true (only divides by "
+                          "the std) or reward_norm_minus_mean=true (both)")
+    if algorithm.reward_scale and algorithm.reward_norm_minus_mean:
+        raise ConfigError("algorithm.reward_scale=true only divides by the std; it cannot go with reward_norm_minus_mean=true (which "
+                          "also subtracts the mean)")
     check_all([lambda: one_of("algorithm.reward_norm", algorithm.reward_norm, (None, "batch", "group", "running")),
                lambda: positive("algorithm.reward_clip", algorithm.reward_clip, allow_none=True),
                lambda: positive("algorithm.advantage_clip", algorithm.advantage_clip, allow_none=True)])

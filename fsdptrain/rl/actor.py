@@ -46,6 +46,7 @@ class LossSettings:
     entropy_coeff: float
     kl_coef: float | None
     kl_type: str
+    sft_coef: float  # sft_loss_coef: the weight of the NLL of the responses scored correct (their tokens' `sft` value 1)
     loss_scale_factor: float | None
     max_response_length: int
     skip_zero_advantage: bool  # only where no term but the policy loss trains a response
@@ -134,6 +135,12 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
                                        parallel)
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini)) + 1
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
+    if loss_settings.sft_coef:
+        # the SFT term is a token mean over the correct responses' tokens; its metric, that mean, is summed here
+        # times the mini-batch's tokens over them, as the update divides every sum by the token count
+        sft_tokens, mini_tokens = all_reduce_sum([sum(float((s.token_values["sft"] * s.loss_mask)[1:].sum()) for s in mini),
+                                               sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
+        sums["sft_loss"] = 0.0
     trained = [s for s in mini if has_advantage(s)] if loss_settings.skip_zero_advantage else mini
     # the loss's counts stay the whole mini-batch's; where nothing is left on any rank, one empty pass still gives
     # the optimizer zero gradients to step on (AdamW's momentum and decay), as without skipping
@@ -160,6 +167,10 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
             kl = core_algos.kl_penalty(log_probs, targets["ref_log_prob"], loss_settings.kl_type)
             loss = loss + loss_settings.kl_coef * per_token(kl)
             sums["kl_loss"] += float((kl.detach() * mask).sum())
+        if loss_settings.sft_coef:
+            nll = -log_probs * targets["sft"] * mask
+            loss = loss + loss_settings.sft_coef * nll.sum() / max(sft_tokens, 1.0)
+            sums["sft_loss"] += float(nll.detach().sum()) * mini_tokens / max(sft_tokens, 1.0)
         (loss * parallel.world_size).backward()  # FSDP averages gradients over ranks
         sums["pg_loss"] += float((pg.detach() * mask).sum())
         sums["pg_clipfrac"] += float(clipped.sum())

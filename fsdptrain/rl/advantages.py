@@ -26,6 +26,7 @@ class AdvantageSettings:
     kl_penalty: str  # the KL estimator of the KL in the reward (algorithm.use_kl_in_reward)
     clip: float | None  # algorithm.advantage_clip
     sources: tuple[tuple[str, float], ...]  # each reward source's name and weight (reward.sources, then the batch sources)
+    whiten: bool | None  # whiten_advantages: over the batch's tokens, or not; None: as the estimator is registered
 
 
 def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> list[torch.Tensor]:
@@ -81,7 +82,7 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
             lengths = torch.stack([mask.sum() for mask in masks])
             per_sequence = core_algos.group_advantages(scores, group_ids, estimator, group, lengths)
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
-    if registry.info[estimator].get("whitened"):
+    if settings.whiten if settings.whiten is not None else registry.info[estimator].get("whitened"):
         advantages = whitened(advantages, masks, parallel)
     return advantages, returns
 
@@ -92,16 +93,20 @@ def nonzero_scale(scores: torch.Tensor, parallel: Parallel) -> float:
     return count / max(nonzero, 1.0)
 
 
-def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation], estimator: str,
-                      gamma: float, lam: float, parallel: Parallel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation],
+                      settings: AdvantageSettings, parallel: Parallel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each response's per-token (advantages, returns) by a critic estimator of core_algos from the critic's values
-    (the samples' token values `values`); the advantages whitened over every rank's response tokens, as verl's."""
+    (the samples' token values `values`); the advantages whitened over every rank's response tokens, as verl's,
+    unless whiten_advantages says not."""
     advantages, returns = [], []
     for reward, sample, generation in zip(token_rewards, samples, generations):
         values = sample.token_values["values"][len(generation.prompt_ids):]
-        advantage, sample_returns = core_algos.ADVANTAGE_ESTIMATORS[estimator](reward, values, generation.mask, gamma, lam)
+        advantage, sample_returns = core_algos.ADVANTAGE_ESTIMATORS[settings.estimator](reward, values, generation.mask, settings.gamma,
+                                                                                         settings.lam)
         advantages.append(advantage)
         returns.append(sample_returns * generation.mask)
+    if settings.whiten is False:
+        return advantages, returns
     return whitened(advantages, [g.mask for g in generations], parallel), returns
 
 

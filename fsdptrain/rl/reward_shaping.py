@@ -4,8 +4,9 @@ clipped, then the KL penalty and the advantage estimator (with its whitening) ru
 The normalizing statistics are ROLL's choice (algorithm.reward_norm): the step's rewards over every data-parallel
 rank (`batch`), each prompt's group of responses (`group`, on the rank that holds it), or running moments of every
 reward seen so far (`running`: Welford's, merged with each step's moments over the ranks, checkpointed). Rewards are
-divided by the standard deviation (population), after subtracting the mean with `minus_mean`; where the deviation
-is zero (every reward equal) the scale is left as it is.
+divided by the standard deviation (population), after subtracting the mean with `minus_mean` (with ROLL's
+`reward_shift`, the mean is subtracted and nothing divided); where the deviation is zero (every reward equal) the
+scale is left as it is.
 """
 
 import math
@@ -58,19 +59,22 @@ def batch_moments(values: torch.Tensor, parallel: Parallel) -> tuple[float, floa
     return count, mean, m2
 
 
-def scaled(values: torch.Tensor, mean: torch.Tensor | float, std: torch.Tensor | float, minus_mean: bool) -> torch.Tensor:
+def scaled(values: torch.Tensor, mean: torch.Tensor | float, std: torch.Tensor | float, minus_mean: bool, divide: bool) -> torch.Tensor:
     centered = values - mean if minus_mean else values
+    if not divide:
+        return centered
     std = torch.as_tensor(std, dtype=values.dtype)
     return centered / torch.where(std > FLAT, std, torch.ones_like(std))
 
 
 @dataclass
 class RewardShaping:
-    """algorithm.reward_norm / reward_norm_minus_mean / reward_clip: the sequence rewards a step trains on, from its
+    """algorithm.reward_norm / reward_norm_minus_mean / reward_shift / reward_clip: the sequence rewards a step trains on, from its
     scores; `running` holds the running moments (checkpointed with the run's state)."""
 
     norm: str | None
     minus_mean: bool
+    divide: bool  # by the std (all but ROLL's reward_shift, which only subtracts the mean)
     clip: float | None
     running: RunningMoments
 
@@ -79,16 +83,16 @@ class RewardShaping:
         rewards, metrics = scores.double(), {}
         if self.norm == "batch":
             count, mean, m2 = batch_moments(rewards, parallel)
-            rewards = scaled(rewards, mean, math.sqrt(m2 / max(count, 1.0)), self.minus_mean)
+            rewards = scaled(rewards, mean, math.sqrt(m2 / max(count, 1.0)), self.minus_mean, self.divide)
         elif self.norm == "group":
             normalized = torch.empty_like(rewards)
             for group in group_ids.unique():
                 members = rewards[group_ids == group]
-                normalized[group_ids == group] = scaled(members, members.mean(), members.std(unbiased=False), self.minus_mean)
+                normalized[group_ids == group] = scaled(members, members.mean(), members.std(unbiased=False), self.minus_mean, self.divide)
             rewards = normalized
         elif self.norm == "running":
             self.running.merge(*batch_moments(rewards, parallel))
-            rewards = scaled(rewards, self.running.mean, self.running.std, self.minus_mean)
+            rewards = scaled(rewards, self.running.mean, self.running.std, self.minus_mean, self.divide)
             metrics.update({"critic/reward_running_mean": self.running.mean, "critic/reward_running_std": self.running.std})
         if self.clip is not None:
             clipped, count = all_reduce_sum([float((rewards.abs() > self.clip).sum()), float(rewards.numel())], parallel.device, parallel.dp_group)

@@ -18,7 +18,7 @@ from transformers import AutoModelForTokenClassification
 
 from fsdptrain.config.grpo import GRPOConfig
 from fsdptrain.config.shared import ModelConfig
-from fsdptrain.data.dataset import check_files_exist
+from fsdptrain.data.dataset import Sample, check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
 from fsdptrain.distributed.mesh import Parallel, world_from_environment
 from fsdptrain.distributed.reductions import max_over_ranks
@@ -41,7 +41,7 @@ from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
 from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
 from fsdptrain.rl.rewards import SOURCE, BatchSource, RewardFn, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
-from fsdptrain.rl.rollout.base import RolloutEngine
+from fsdptrain.rl.rollout.base import Generation, RolloutEngine
 from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, fit_prompts, flatten
@@ -92,14 +92,7 @@ class GRPOStep:
             with timer("gen_max"):
                 baselines = torch.tensor(self.sampler.greedy_scores(groups))[group_ids]
         samples = make_samples(generations, plan.mask_truncated_completions)
-        if plan.old_from_rollout:
-            for sample in samples:
-                sample.token_values["old_log_prob"] = sample.token_values["rollout_log_prob"]
-        elif not plan.one_pass:
-            with timer("old_log_prob"):
-                self.actor.log_probs(samples, "old_log_prob")
-            if plan.agreement:
-                metrics.update(rollout_agreement(samples, generations, plan.rollout_is, plan.rollout_is_threshold, parallel))
+        metrics.update(self.old_log_probs(samples, generations, timer))
         if self.reference is not None:
             with timer("ref"), adapters_disabled(self.reference):
                 compute_log_probs(self.reference, samples, plan.ref_batching, self.actor.forward, parallel, "ref_log_prob")
@@ -117,18 +110,12 @@ class GRPOStep:
             if self.kl_ctrl is not None:
                 metrics.update(penalize_kl(token_rewards, samples, generations, self.kl_ctrl, advantage.kl_penalty, parallel))
         with timer("adv"):
-            if self.critic is not None:
-                advantages, returns = critic_advantages(token_rewards, samples, generations, advantage.estimator, advantage.gamma, advantage.lam,
-                                                        parallel)
-                put_token_values(samples, generations, returns, "returns")
-            else:
-                source_scores = None
-                if advantage.sources:
-                    source_scores = torch.tensor([[s[f"{SOURCE}{name}"] for name, _ in advantage.sources] for s in scored])
-                advantages, _ = token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines)
+            advantages = self.advantages(token_rewards, samples, generations, group_ids, scored, baselines)
             if advantage.clip is not None:
                 metrics.update(clip_advantages(advantages, generations, advantage.clip, parallel))
             put_token_values(samples, generations, advantages, "advantage")
+            if plan.loss.sft_coef:
+                put_token_values(samples, generations, [g.mask * float(s["acc"] > 0) for g, s in zip(generations, scored)], "sft")
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(critic_metrics(samples, generations, parallel))
@@ -148,6 +135,34 @@ class GRPOStep:
         if plan.multi_turn is not None:
             metrics.update(multi_turn_metrics(generations, parallel))
         return StepResult(groups, response_advantages, metrics)
+
+    def old_log_probs(self, samples: list[Sample], generations: list[Generation], timer: StepTimer) -> dict[str, float]:
+        """The old policy's log-probs on the samples: the engine's (bypass), or a pass of their own, with the
+        engine's agreement metrics; none with one_pass (the update's first forward computes them)."""
+        plan = self.plan
+        if plan.old_from_rollout:
+            for sample in samples:
+                sample.token_values["old_log_prob"] = sample.token_values["rollout_log_prob"]
+        elif not plan.one_pass:
+            with timer("old_log_prob"):
+                self.actor.log_probs(samples, "old_log_prob")
+            if plan.agreement:
+                return rollout_agreement(samples, generations, plan.rollout_is, plan.rollout_is_threshold, self.actor.parallel)
+        return {}
+
+    def advantages(self, token_rewards: list[torch.Tensor], samples: list[Sample], generations: list[Generation], group_ids: torch.Tensor,
+                   scored: list[dict], baselines: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each response's per-token advantages by the plan's estimator; under PPO, the critic's returns are put
+        on the samples."""
+        advantage, parallel = self.plan.advantage, self.actor.parallel
+        if self.critic is not None:
+            advantages, returns = critic_advantages(token_rewards, samples, generations, advantage, parallel)
+            put_token_values(samples, generations, returns, "returns")
+            return advantages
+        source_scores = None
+        if advantage.sources:
+            source_scores = torch.tensor([[s[f"{SOURCE}{name}"] for name, _ in advantage.sources] for s in scored])
+        return token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines)[0]
 
     def sync_weights(self) -> None:
         self.engine.wake_up()  # the weights go to the engine's own memory, not to what it parks while asleep
@@ -174,7 +189,7 @@ def run_grpo(config: GRPOConfig) -> None:
     total_steps = count_steps(trainer, len(train), config.data.train_batch_size, "prompts")
     kl_ctrl = build_kl_controller(config)
     algorithm = config.algorithm
-    shaping = RewardShaping(algorithm.reward_norm, algorithm.reward_norm_minus_mean, algorithm.reward_clip, RunningMoments())
+    shaping = build_reward_shaping(config)
     cursor = PromptCursor()
     critic = build_critic(config, plan, parallel, total_steps, len(tokenizer)) if plan.critic is not None else None
     states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})}
@@ -275,6 +290,12 @@ def build_kl_controller(config: GRPOConfig) -> core_algos.KLController | None:
     if not algorithm.use_kl_in_reward:
         return None
     return core_algos.KLController(algorithm.kl_ctrl.type, algorithm.kl_ctrl.kl_coef, algorithm.kl_ctrl.target_kl, algorithm.kl_ctrl.horizon)
+
+
+def build_reward_shaping(config: GRPOConfig) -> RewardShaping:
+    algorithm = config.algorithm
+    return RewardShaping(algorithm.reward_norm, algorithm.reward_norm_minus_mean or algorithm.reward_shift, not algorithm.reward_shift,
+                         algorithm.reward_clip, RunningMoments())
 
 
 def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer) -> list[BatchSource]:

@@ -348,8 +348,8 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                                 policy_loss.kl_cov_ratio, policy_loss.ppo_kl_coef, policy_loss.dro_beta, policy_loss.policy_drift_coef,
                                 correction.loss_type, correction.rollout_is, correction.rollout_is_threshold)
     loss = LossSettings(loss_mode, actor.loss_agg_mode, POLICY_LOSSES.info[loss_mode].get("agg_mode", actor.loss_agg_mode), policy,
-                        actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.loss_scale_factor,
-                        data.max_response_length, actor.skip_zero_advantage)
+                        actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.sft_loss_coef,
+                        actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage)
     vllm = EngineSettings(memory_share(config, world), rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
                           rollout.enforce_eager, rollout.load_format)
     engine = EngineSpec(model.path, compute_dtype(actor.fsdp_config.mixed_precision.param_dtype, world.device), world.device, pad_id,
@@ -396,7 +396,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         agreement=agreement,
         rollout_is=rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
         advantage=AdvantageSettings(algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, algorithm.lam,
-                                    algorithm.kl_penalty, algorithm.advantage_clip, reward_sources(config)),
+                                    algorithm.kl_penalty, algorithm.advantage_clip, reward_sources(config), algorithm.whiten_advantages),
         mask_truncated_completions=actor.mask_truncated_completions,
         critic_warmup=trainer.critic_warmup,
         weight_bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,

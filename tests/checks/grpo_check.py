@@ -53,7 +53,8 @@ def main() -> None:
     # Each rank holds every dp-th sequence, so a rank's packed rows share each prompt between the responses they
     # hold of it (not padded rows, not under SP).
     everything = two_groups(lambda g, prompt, response, mask: {
-        "advantage": torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.randn((), generator=g)))])})
+        "advantage": torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.randn((), generator=g)))]),
+        "sft": torch.cat([torch.zeros(prompt), torch.full((response,), float(torch.rand((), generator=g) > 0.5))])})
     mine = everything[parallel.dp_rank :: parallel.dp_size]
     compute_log_probs(model, mine, actor_batching(base, 4, "size"), base_plan.forward, parallel, key="old_log_prob")
     separate_pass = [sample.token_values["old_log_prob"].clone() for sample in mine]
@@ -77,6 +78,8 @@ def main() -> None:
         if not POLICY_LOSSES.info[loss_mode].get("batch_local")
         and agg_mode == POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
     }
+    # the SFT term on the responses marked correct (token values `sft`), over their global token count
+    gradients["vanilla token-mean sft"] = gradient("actor_rollout_ref.actor.sft_loss_coef=0.5")
 
     # Samples without advantage skipped (skip_zero_advantage): the same gradient. The odd sequences have none, so
     # that under dp 2 one rank forwards nothing of its own; with none left anywhere, the gradients are zeros.
