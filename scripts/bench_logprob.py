@@ -41,7 +41,7 @@ def measure(tokens: int, hidden: int, vocab: int, chunk: int, method: str) -> di
         if method == "fused":
             return chunked_cross_entropy_sum(h, w, labels, chunk)
         if method == "per-token":
-            return -chunked_token_log_probs(h, w, labels, 1.0, chunk, with_entropy=False)[0].sum()
+            return -chunked_token_log_probs(h, w, labels, 1.0, chunk, None)[0].sum()
         return torch.nn.functional.cross_entropy((h @ w.T).float(), labels, reduction="sum")
 
     if device.type == "cuda":

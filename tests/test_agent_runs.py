@@ -16,6 +16,7 @@ import torch
 from test_agent import tool_model  # noqa: F401  (a fixture)
 from transformers import AutoModelForCausalLM
 
+from checks.verl_reference import load_core_algos
 from conftest import REPO, read_metrics, torchrun
 
 pytestmark = pytest.mark.slow
@@ -122,6 +123,38 @@ def test_the_loss_is_over_the_generated_tokens_alone(agent_run, tool_model):  # 
     assert abs(all_entropy_sum / all_tokens - entropy_sum / tokens) > 1e-2  # the tool's tokens would show
     # One mini-batch, one epoch: the ratio is 1 and the token-mean loss is minus the mean advantage over tokens.
     assert step["actor/pg_loss"] == pytest.approx(-weighted_advantage / tokens, abs=1e-5)
+
+
+def test_the_multi_turn_optimal_token_baseline_is_verls_over_the_agent_loops_masks(tmp_path, tool_model, agent_data):  # noqa: F811
+    """tir_optimal_token_baseline on tool-calling trajectories: each dumped advantage (the mean over the trajectory's
+    generated tokens) is that of verl's own function given the initial model's log-probs and squared-probability
+    sums over the dumped trajectories (a plain transformers forward) and the agent loop's masks, with the tools'
+    tokens among the response's."""
+    verl = load_core_algos()
+    if verl is None:
+        pytest.skip("verl 0.9.1 is not unpacked under .cache/ (bash scripts/setup.sh test does it)")
+    out = str(tmp_path)
+    torchrun(2, "fsdptrain.grpo_trainer", agent_args(tool_model, agent_data, out, algorithm__adv_estimator="tir_optimal_token_baseline",
+                                                    trainer__total_training_steps=1, trainer__test_freq=-1))
+    rows = dumped(out, 1)
+    assert any(0 in row["response_mask"][: max(i for i, m in enumerate(row["response_mask"]) if m)] for row in rows)  # a tool's tokens inside
+    model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float32)
+    width = max(len(row["response_ids"]) for row in rows)
+    mask, rewards, log_probs, sum_pi_squared = (torch.zeros(len(rows), width) for _ in range(4))
+    for i, row in enumerate(rows):
+        ids, length = torch.tensor([row["prompt_ids"] + row["response_ids"]]), len(row["response_ids"])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(row["prompt_ids"]) - 1 : -1]
+        mask[i, :length] = torch.tensor(row["response_mask"], dtype=torch.float32)
+        rewards[i, int(mask[i].nonzero().max())] = row["seq_reward"]
+        log_probs[i, :length] = logits.log_softmax(-1).gather(1, torch.tensor(row["response_ids"])[:, None]).squeeze(1)
+        sum_pi_squared[i, :length] = logits.softmax(-1).square().sum(-1)
+    groups = [i // 4 for i in range(len(rows))]  # the dump's rows by prompt, each rank's groups of n in a row
+    advantages, _ = verl.get_adv_estimator_fn("tir_optimal_token_baseline")(
+        token_level_rewards=rewards, response_mask=mask, index=groups, old_log_probs=log_probs, sum_pi_squared=sum_pi_squared)
+    expected = (advantages * mask).sum(1) / mask.sum(1)
+    torch.testing.assert_close(torch.tensor([row["advantage"] for row in rows]), expected, atol=1e-4, rtol=1e-4)
+    assert expected.abs().max() > 1e-3
 
 
 def test_a_resumed_run_draws_the_same_trajectories(tmp_path, tool_model, agent_data, agent_run):  # noqa: F811

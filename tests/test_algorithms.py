@@ -32,6 +32,9 @@ RUNS = {  # a loss with an estimator, and their own keys
     "bypass_reinforce-grpo": {f"{CORRECTION}__bypass_mode": "true", f"{CORRECTION}__loss_type": "reinforce",
                               f"{CORRECTION}__rollout_is": "sequence"},
     "cpgd-grpo": {f"{ACTOR}__policy_loss__loss_mode": "cpgd", f"{ACTOR}__sft_loss_coef": 0.5},
+    "vanilla-optimal_token_baseline": {"algorithm__adv_estimator": "optimal_token_baseline", f"{CORRECTION}__rollout_is": "token"},
+    "gspo-tir_optimal_token_baseline": {f"{ACTOR}__policy_loss__loss_mode": "gspo", f"{ACTOR}__loss_agg_mode": "seq-mean-token-mean",
+                                        "algorithm__adv_estimator": "tir_optimal_token_baseline"},
     "topr-rloo": {f"{ACTOR}__policy_loss__loss_mode": "topr", "algorithm__adv_estimator": "rloo", "algorithm__whiten_advantages": "true"},
 }
 METRICS = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",

@@ -120,25 +120,36 @@ def test_chunked_log_probs_and_entropy_equal_full_logits(chunk, temperature):
     upstream_lp, upstream_ent = torch.randn(100), torch.randn(100)
     direct = _direct_log_probs(hidden, weight, targets, temperature)
     direct_grads = torch.autograd.grad((direct[0] * upstream_lp).sum() + (direct[1] * upstream_ent).sum(), (hidden, weight), retain_graph=True)
-    chunked = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, with_entropy=True)
+    chunked = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, "entropy")
     chunked_grads = torch.autograd.grad((chunked[0] * upstream_lp).sum() + (chunked[1] * upstream_ent).sum(), (hidden, weight))
     for a, b in zip(chunked, direct):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     for a, b in zip(chunked_grads, direct_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
-    log_probs, entropy = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, with_entropy=False)
+    log_probs, entropy = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, None)
     assert entropy is None
     lp_grads = torch.autograd.grad((log_probs * upstream_lp).sum(), (hidden, weight))
     direct_lp_grads = torch.autograd.grad((direct[0] * upstream_lp).sum(), (hidden, weight))
     for a, b in zip(lp_grads, direct_lp_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
     # one output in the loss, the other kept as a metric (its backward skipped): the same gradients
-    log_probs, entropy = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, with_entropy=True)
+    log_probs, entropy = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, "entropy")
     for a, b in zip(torch.autograd.grad((log_probs * upstream_lp).sum(), (hidden, weight), retain_graph=True), direct_lp_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
     direct_ent_grads = torch.autograd.grad((_direct_log_probs(hidden, weight, targets, temperature)[1] * upstream_ent).sum(), (hidden, weight))
     for a, b in zip(torch.autograd.grad((entropy * upstream_ent).sum(), (hidden, weight)), direct_ent_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("chunk, temperature", [(1, 1.0), (7, 0.7), (1000, 1.3)])
+def test_chunked_sum_of_squared_probabilities_equals_full_logits(chunk, temperature):
+    """The optimal token baseline's statistic, sum_v softmax(z / temperature)_v^2, chunked as the log-probs."""
+    torch.manual_seed(1)
+    hidden, weight, targets = torch.randn(50, 32), torch.randn(300, 32) * 0.3, torch.randint(0, 300, (50,))
+    log_probs, sum_pi_squared = chunked_token_log_probs(hidden, weight, targets, temperature, chunk, "sum_pi_squared")
+    probs = torch.softmax((hidden @ weight.T) / temperature, dim=1)
+    torch.testing.assert_close(sum_pi_squared, probs.square().sum(dim=1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log_probs, _direct_log_probs(hidden, weight, targets, temperature)[0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])

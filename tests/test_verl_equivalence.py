@@ -231,3 +231,33 @@ def test_aggregation_equals_verls(agg_mode):
     ours = core_algos.agg_loss(loss.flatten(), tokens.mask, tokens.sequence_tokens, agg_mode, float(mask.sum()),
                                float((mask.sum(-1) > 0).sum()), mask.shape[1])
     torch.testing.assert_close(ours, verl.agg_loss(loss, mask, agg_mode), **TOLERANCE)
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+@pytest.mark.parametrize("with_is_weights", [False, True])
+def test_optimal_token_baselines_equal_verls(estimator, with_is_weights):
+    """Per-token rewards (a reward on the last token, and a denser one), uneven lengths, a group of one, a unique
+    longest response (the zero tail); for the multi-turn form, masks with a tool's tokens inside and a trajectory
+    with no trained token."""
+    g = torch.Generator().manual_seed(8)
+    mask = response_mask(seed=9, width=8)
+    if estimator.startswith("tir"):
+        mask[0, 1:3] = 0
+        mask[5, 2] = 0
+        mask[9] = 0
+    rewards = outcome_token_rewards(torch.rand(len(GROUPS), generator=g), response_mask(seed=9, width=8))
+    rewards += torch.rand(mask.shape, generator=g) * 0.1 * mask
+    old_log_probs = -torch.rand(mask.shape, generator=g) * 3
+    sum_pi_squared = torch.rand(mask.shape, generator=g) * 0.5
+    is_weights = (torch.rand(mask.shape, generator=g) + 0.5) * mask if with_is_weights else None
+    verl_advantages, verl_returns = verl.get_adv_estimator_fn(estimator)(
+        token_level_rewards=rewards, response_mask=mask, index=GROUPS, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=is_weights)
+    compact = core_algos.ADVANTAGE_ESTIMATORS.info[estimator]["compact"]
+    advantages, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    for group in np.unique(GROUPS):
+        rows = torch.as_tensor(GROUPS == group)
+        advantages[rows], returns[rows] = core_algos.ADVANTAGE_ESTIMATORS[estimator](
+            rewards[rows], mask[rows], old_log_probs[rows], sum_pi_squared[rows], None if is_weights is None else is_weights[rows], compact)
+    torch.testing.assert_close(advantages, verl_advantages, **TOLERANCE)
+    torch.testing.assert_close(returns, verl_returns, **TOLERANCE)

@@ -95,20 +95,29 @@ def _chunk_log_softmax(h: torch.Tensor, weight: torch.Tensor, temperature: float
     return torch.log_softmax(logits, dim=1, out=logits)
 
 
+def distribution_statistic(log_softmax: torch.Tensor, statistic: str) -> torch.Tensor:
+    """Per row of a log-softmax: its distribution's `entropy`, or `sum_pi_squared` (sum over the vocabulary of
+    the squared probabilities, the optimal token baseline's)."""
+    probs = log_softmax.exp()
+    return -(probs * log_softmax).sum(dim=1) if statistic == "entropy" else probs.square().sum(dim=1)
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, statistic):
         log_probs = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(len(targets) if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        values = torch.empty(len(targets) if statistic else 0, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(chunk_tokens):
             log_softmax = _chunk_log_softmax(hidden[rows], weight, temperature)
             log_probs[rows] = log_softmax.gather(1, targets[rows, None]).squeeze(1)
-            if with_entropy:
-                entropy[rows] = -(log_softmax.exp() * log_softmax).sum(dim=1)
+            if statistic:
+                values[rows] = distribution_statistic(log_softmax, statistic)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.set_materialize_grads(False)  # an output outside the loss (the entropy as a metric) costs no backward work
-        return log_probs, entropy
+        if statistic != "entropy":  # the backward knows the entropy's gradient alone
+            ctx.mark_non_differentiable(values)
+        return log_probs, values
 
     @staticmethod
     def backward(ctx, log_probs_grad: torch.Tensor, entropy_grad: torch.Tensor):
@@ -141,13 +150,13 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
 
 def chunked_token_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int, with_entropy: bool
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int, statistic: str | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(hidden[t] @ weight.T / temperature)[targets[t]] for every row t, fp32, shape (T,); with
-    `with_entropy` also the entropy of each row's distribution (else None). The backward takes any per-token
-    upstream gradient and recomputes the logits chunk by chunk."""
-    log_probs, entropy = _ChunkedTokenLogProbs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy)
-    return log_probs, entropy if with_entropy else None
+    """log softmax(hidden[t] @ weight.T / temperature)[targets[t]] for every row t, fp32, shape (T,); with a
+    `statistic` (distribution_statistic's) also that of each row's distribution (else None). The backward takes
+    any per-token upstream gradient (and the entropy's) and recomputes the logits chunk by chunk."""
+    log_probs, values = _ChunkedTokenLogProbs.apply(hidden, weight, targets, temperature, chunk_tokens, statistic)
+    return log_probs, values if statistic else None
 
 
 # ---- the model's side: backbone, then a loss over the output layer ------------------------------------------------
@@ -198,9 +207,11 @@ def token_log_probs(
     with_entropy: bool = False,
     sp_group: ProcessGroup | None = None,
     token_rows: torch.Tensor | None = None,
+    with_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-prob of each label at `temperature` (fp32, the labels' flattened shape (T,), 0 where the
-    label is IGNORE_INDEX), and with `with_entropy` each position's entropy (0 there too), else None.
+    label is IGNORE_INDEX), and with `with_entropy` each position's entropy (0 there too), or with
+    `with_sum_pi_squared` the sum of its squared probabilities (no gradient), else None.
 
     `token_rows` gives the row position of each label's position where a packed row shares prompts (the
     micro-batch's `token_rows`); without it the labels are aligned with the flattened batch."""
@@ -214,13 +225,17 @@ def token_log_probs(
             return None
         return torch.zeros(len(labels), dtype=values.dtype, device=values.device).index_put((rows,), values)
 
+    assert not (with_entropy and with_sum_pi_squared), "one statistic a pass"
+    statistic = "entropy" if with_entropy else "sum_pi_squared" if with_sum_pi_squared else None
     if chunk_tokens and supports_chunking(model):
         def head(hidden: torch.Tensor, weight: torch.Tensor):
-            return chunked_token_log_probs(hidden[hidden_rows], weight, labels[rows], temperature, chunk_tokens, with_entropy)
-        log_probs, entropy = forward_head(model, inputs, head)
+            return chunked_token_log_probs(hidden[hidden_rows], weight, labels[rows], temperature, chunk_tokens, statistic)
+        log_probs, values = forward_head(model, inputs, head)
     else:
         logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[hidden_rows].float() / temperature
         log_softmax = logits.log_softmax(dim=1)
         log_probs = log_softmax.gather(1, labels[rows, None]).squeeze(1)
-        entropy = -(log_softmax.exp() * log_softmax).sum(dim=1) if with_entropy else None
-    return scatter(log_probs), scatter(entropy)
+        values = distribution_statistic(log_softmax, statistic) if statistic else None
+        if statistic == "sum_pi_squared":
+            values = values.detach()
+    return scatter(log_probs), scatter(values)

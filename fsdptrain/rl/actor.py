@@ -65,17 +65,21 @@ class UpdateSettings:
 
 @torch.no_grad()
 def compute_log_probs(model: nn.Module, samples: Sequence[Sample], batching: MicroBatching, forward: ForwardSettings, parallel: Parallel,
-                      key: str) -> None:
+                      key: str, with_sum_pi_squared: bool = False) -> None:
     """Each sample's log-probs of its own tokens, at the rollout temperature, through the engine's chunked path,
-    stored as its token values `key` (aligned with input_ids; 0 where not trained); under Ulysses the slices are
-    joined into whole rows."""
+    stored as its token values `key` (aligned with input_ids; 0 where not trained), and with `with_sum_pi_squared`
+    each position's sum of squared probabilities as `sum_pi_squared`; under Ulysses the slices are joined into
+    whole rows."""
     micro_batches = plan_micro_batches(list(samples), batching, parallel)
     training = model.training
     model.eval()  # no dropout (a LoRA adapter's) in what the update's ratio divides by
     for micro_batch, batch in forward_batches(micro_batches, samples[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
-        log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], forward.temperature, forward.chunked_loss_tokens,
-                                       sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
+        log_probs, sum_pi_squared = token_log_probs(model, batch.inputs, batch.targets["labels"], forward.temperature, forward.chunked_loss_tokens,
+                                                    sp_group=parallel.ulysses_group, token_rows=batch.token_rows,
+                                                    with_sum_pi_squared=with_sum_pi_squared)
         store_token_values(log_probs, micro_batch, batch, forward.packed, parallel, key)
+        if with_sum_pi_squared:
+            store_token_values(sum_pi_squared, micro_batch, batch, forward.packed, parallel, "sum_pi_squared")
     model.train(training)
 
 
@@ -193,8 +197,8 @@ class PolicyActor:
     micro_batching: MicroBatching  # the update's forward passes
     log_prob_batching: MicroBatching  # the old policy's
 
-    def log_probs(self, samples: Sequence[Sample], key: str) -> None:
-        compute_log_probs(self.model, samples, self.log_prob_batching, self.forward, self.parallel, key)
+    def log_probs(self, samples: Sequence[Sample], key: str, with_sum_pi_squared: bool = False) -> None:
+        compute_log_probs(self.model, samples, self.log_prob_batching, self.forward, self.parallel, key, with_sum_pi_squared)
 
     def update(self, samples: list[Sample], first_pass_is_old: bool) -> dict[str, float]:
         """The policy's update (`run_update`). `first_pass_is_old`: the samples carry no old log-probs, the

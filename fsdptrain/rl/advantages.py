@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
@@ -59,16 +60,19 @@ def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], ge
 
 def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], group_ids: torch.Tensor,
                      settings: AdvantageSettings, parallel: Parallel, source_scores: torch.Tensor | None = None,
-                     baselines: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                     baselines: torch.Tensor | None = None, samples: Sequence[Sample] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Each response's per-token advantages (`group_ids`: each response's group) by the estimator of `settings`: a
     group estimator's value (from the summed rewards) on every token; a sources estimator's, from `source_scores`
     (responses, sources; None without sources: the summed rewards alone) and the sources' weights; a token
-    estimator's; a baseline estimator's, from `baselines` (each response's prompt's greedy score). Those registered `whitened` are whitened over every
+    estimator's; a baseline estimator's, from `baselines` (each response's prompt's greedy score); an optimal-token
+    estimator's, from the `samples`' old log-probs, sums of squared probabilities and rollout importance weights. Those registered `whitened` are whitened over every
     rank's response tokens. Returns (advantages, the returns where the estimator gives them)."""
     masks, registry, estimator = [g.mask for g in generations], core_algos.ADVANTAGE_ESTIMATORS, settings.estimator
     kind, returns = registry.info[estimator]["kind"], None
     if kind == "token":
         advantages = [registry[estimator](reward, mask, settings.gamma) for reward, mask in zip(token_rewards, masks)]
+    elif kind == "optimal_token":
+        advantages, returns = optimal_token_advantages(token_rewards, masks, group_ids, samples, generations, estimator)
     elif kind == "baseline":
         advantages, returns = map(list, zip(*(registry[estimator](reward, mask, baseline)
                                                for reward, mask, baseline in zip(token_rewards, masks, baselines))))
@@ -85,6 +89,28 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
     if settings.whiten if settings.whiten is not None else registry.info[estimator].get("whitened"):
         advantages = whitened(advantages, masks, parallel)
     return advantages, returns
+
+
+def optimal_token_advantages(token_rewards: list[torch.Tensor], masks: list[torch.Tensor], group_ids: torch.Tensor, samples: Sequence[Sample],
+                             generations: Sequence[Generation], estimator: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """An optimal-token estimator over each group's responses, right-padded to the group's longest."""
+    registry = core_algos.ADVANTAGE_ESTIMATORS
+    advantages, returns = [None] * len(masks), [None] * len(masks)
+    weighted = "rollout_is_weight" in samples[0].token_values
+    for group in group_ids.unique():
+        members = (group_ids == group).nonzero().flatten().tolist()
+        group_advantages, group_returns = registry[estimator](
+            pad_sequence([token_rewards[i] for i in members], batch_first=True), pad_sequence([masks[i] for i in members], batch_first=True),
+            response_values(samples, generations, members, "old_log_prob"), response_values(samples, generations, members, "sum_pi_squared"),
+            response_values(samples, generations, members, "rollout_is_weight") if weighted else None, registry.info[estimator]["compact"])
+        for row, i in enumerate(members):
+            advantages[i], returns[i] = group_advantages[row, : len(masks[i])], group_returns[row, : len(masks[i])]
+    return advantages, returns
+
+
+def response_values(samples: Sequence[Sample], generations: Sequence[Generation], members: list[int], key: str) -> torch.Tensor:
+    """The token values `key` of the responses `members`, right-padded (members, longest response)."""
+    return pad_sequence([samples[i].token_values[key][len(generations[i].prompt_ids):] for i in members], batch_first=True)
 
 
 def nonzero_scale(scores: torch.Tensor, parallel: Parallel) -> float:

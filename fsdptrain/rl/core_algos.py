@@ -19,7 +19,8 @@ from fsdptrain.registry import Registry
 # advantages (scores, lengths, GroupSettings); "sources" the batch's per-source scores, the sources' weights and the
 # group ids to the responses' advantages; "token" one response's per-token rewards and mask to its advantages
 # (token_rewards, mask, gamma); "baseline" one response's per-token rewards, mask and its prompt's greedy score to
-# (advantages, returns); "critic" one response's per-token rewards, the critic's values, its mask, gamma and
+# (advantages, returns); "optimal_token" one group's padded per-token rewards, mask, old log-probs, sums of squared
+# probabilities and rollout importance weights to (advantages, returns); "critic" one response's per-token rewards, the critic's values, its mask, gamma and
 # lambda to its (advantages, returns). `whitened`: whitened afterwards over the whole batch's tokens (every rank's).
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 # Each loss: (PolicyTokens, PolicyLossSettings) -> (per-token loss, clipped mask, lower-clipped mask). `agg_mode`:
@@ -121,6 +122,51 @@ def gdpo_advantages(source_scores: torch.Tensor, weights: torch.Tensor, groups: 
     for column, weight in zip(source_scores.T, weights):
         advantages += weight * group_advantages(column, groups, "grpo", settings)
     return advantages
+
+
+def path_variance_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """The optimal token baseline of one group's aligned trajectories (N, T): at each position t,
+    sum_i G_it W_it / sum_i W_it over the trajectories that reach t, W the cumulative path variance; 0 for a group
+    of one, and 0 on the tail of a unique longest trajectory beyond the second longest (no other trajectory
+    estimates it there)."""
+    if len(returns) == 1:
+        return torch.zeros_like(returns)
+    baseline = ((returns * weights * mask).sum(0) / ((weights * mask).sum(0) + eps)).expand_as(returns).clone()
+    lengths = mask.sum(1)
+    longest, second = torch.sort(lengths).values[-2:].long().tolist()[::-1]
+    if int((lengths == longest).sum()) == 1 and longest > second:
+        baseline[int(lengths.argmax()), second:] = 0
+    return baseline
+
+
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", kind="optimal_token", compact=False)
+@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", kind="optimal_token", compact=True)
+def optimal_token_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+                             is_weights: torch.Tensor | None, compact: bool, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline over one group's responses (N, T), right-padded: each token's reward-to-go G_t
+    minus B_t = E[G_t W_t] / E[W_t], W_t the sum up to t of the score function's squared norm proxy
+    1 - 2 pi_t + sum_v pi_v^2 (times the squared rollout importance weight where given). `compact`
+    (tir_optimal_token_baseline, multi-turn): the trained tokens of each trajectory are aligned by their count,
+    not their position, so that a tool's tokens shift nothing. Returns (advantages, returns)."""
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    per_token = 1 - 2 * old_log_probs.exp() + sum_pi_squared
+    if is_weights is not None:
+        per_token = per_token * is_weights.square()
+    path = (per_token * mask).cumsum(-1)
+    if not compact:
+        return (returns - path_variance_baseline(returns, path, mask, eps)) * mask, returns
+    trained = mask > 0
+    keep = trained.any(1)  # a trajectory without trained tokens takes no part in its group's baseline
+    lengths = trained.sum(1)
+    width = int(lengths.max()) if len(lengths) else 0
+    aligned_mask = (torch.arange(width)[None] < lengths[:, None]).to(mask.dtype)
+    aligned_returns, aligned_path = torch.zeros(len(mask), width, dtype=returns.dtype), torch.zeros(len(mask), width, dtype=path.dtype)
+    aligned_returns[aligned_mask > 0], aligned_path[aligned_mask > 0] = returns[trained], path[trained]
+    baseline = torch.zeros_like(aligned_returns)
+    baseline[keep] = path_variance_baseline(aligned_returns[keep], aligned_path[keep], aligned_mask[keep], eps)
+    advantages = torch.zeros_like(returns)
+    advantages[trained] = (aligned_returns - baseline)[aligned_mask > 0]
+    return advantages, returns
 
 
 @ADVANTAGE_ESTIMATORS.register("remax", kind="baseline")

@@ -145,7 +145,7 @@ class GRPOStep:
                 sample.token_values["old_log_prob"] = sample.token_values["rollout_log_prob"]
         elif not plan.one_pass:
             with timer("old_log_prob"):
-                self.actor.log_probs(samples, "old_log_prob")
+                self.actor.log_probs(samples, "old_log_prob", with_sum_pi_squared=plan.sum_pi_squared)
             if plan.agreement:
                 return rollout_agreement(samples, generations, plan.rollout_is, plan.rollout_is_threshold, self.actor.parallel)
         return {}
@@ -162,7 +162,7 @@ class GRPOStep:
         source_scores = None
         if advantage.sources:
             source_scores = torch.tensor([[s[f"{SOURCE}{name}"] for name, _ in advantage.sources] for s in scored])
-        return token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines)[0]
+        return token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines, samples)[0]
 
     def sync_weights(self) -> None:
         self.engine.wake_up()  # the weights go to the engine's own memory, not to what it parks while asleep

@@ -67,6 +67,7 @@ class GRPOPlan:
     one_pass: bool
     old_from_rollout: bool  # the engine's sampling log-probs are the old policy's (rollout correction's bypass mode)
     greedy_baseline: bool  # each prompt is also answered greedily, its score the baseline (ReMax)
+    sum_pi_squared: bool  # the old-policy pass also keeps each token's sum of squared probabilities (optimal token baseline)
     agreement: bool  # the engine's sampling log-probs are kept and compared with the old policy's
     rollout_is: str | None
     rollout_is_threshold: float
@@ -152,6 +153,11 @@ def check_groups(config: GRPOConfig) -> None:
     if ADVANTAGE_ESTIMATORS.info.get(estimator, {}).get("kind") == "baseline" and (algorithm.reward_norm or algorithm.reward_clip):
         raise ConfigError(f"algorithm.adv_estimator={estimator} subtracts the greedy response's score from the reward: "
                           "algorithm.reward_norm and reward_clip would put the two on different scales")
+    correction, loss_mode = algorithm.rollout_correction, config.actor_rollout_ref.actor.policy_loss.loss_mode
+    if (ADVANTAGE_ESTIMATORS.info.get(estimator, {}).get("kind") == "optimal_token"
+            and (correction.bypass_mode or loss_mode == "bypass_mode")):
+        raise ConfigError(f"algorithm.adv_estimator={estimator} needs each token's sum of squared probabilities from the old policy's "
+                          "forward pass, which algorithm.rollout_correction.bypass_mode skips")
     if algorithm.reward_norm == "group" and n < 2:
         raise ConfigError(f"algorithm.reward_norm=group normalizes over each prompt's responses: {ROLLOUT}.n must be >= 2, got {n}")
 
@@ -341,6 +347,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     use_kl_in_reward = algorithm.use_kl_in_reward
     correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
     bypass = correction.bypass_mode or policy_loss.loss_mode == "bypass_mode"
+    optimal_token = ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "optimal_token"
     loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
                                 actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
@@ -390,9 +397,10 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         max_gen_batches=algorithm.filter_groups.max_num_gen_batches,
         score_later=config.reward_model.launch_reward_fn_async,
         one_pass=(actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == data.train_batch_size and not use_kl_in_reward
-                  and rollout_is is None and not bypass),
+                  and rollout_is is None and not bypass and not optimal_token),
         old_from_rollout=bypass,
         greedy_baseline=ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "baseline",
+        sum_pi_squared=optimal_token,
         agreement=agreement,
         rollout_is=rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
         advantage=AdvantageSettings(algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, algorithm.lam,
