@@ -74,9 +74,11 @@ def main() -> None:
         f"{loss_mode} {agg_mode}": gradient(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                                             f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}", "actor_rollout_ref.actor.entropy_coeff=0.01")
         for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES)
-        # a loss that reads its micro-batch's statistics depends on the split; one with its own aggregation, once
+        # every aggregation with the default loss, two with the others (the aggregation follows the loss); a loss
+        # that reads its micro-batch's statistics depends on the split; one with its own aggregation, once
         if not POLICY_LOSSES.info[loss_mode].get("batch_local")
-        and agg_mode == POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
+        and (agg_mode == POLICY_LOSSES.info[loss_mode]["agg_mode"] if "agg_mode" in POLICY_LOSSES.info[loss_mode]
+             else loss_mode == "vanilla" or agg_mode in ("token-mean", "seq-mean-token-mean"))
     }
     # the SFT term on the responses marked correct (token values `sft`), over their global token count
     gradients["vanilla token-mean sft"] = gradient("actor_rollout_ref.actor.sft_loss_coef=0.5")
