@@ -70,40 +70,62 @@ def note(message: str) -> None:
         print(f"fsdptrain: {message}", file=sys.stderr)
 
 
+def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[str], table: dict[str, dict[str, Any]]) -> tuple[str, str, str | None]:
+    """One command-line override's state: (state, what it means here, the override as Hydra takes it or None).
+    States: `key` (fsdptrain's own key), `value renamed`, `mapped`, `accepted` (changes nothing here), `refused`,
+    `left off` (a refused key at a value that asks for nothing unbuilt), `launch shape` (checked against the
+    world), `unknown`, `passed` (not a key=value: Hydra's own syntax)."""
+    key, sep, value = override.partition("=")
+    key = key.lstrip("+")  # verl's scripts add keys its own schema lacks with `+key=`; here every key is checked alike
+    if not sep or key.startswith(("~", "hydra.", "-")):
+        return "passed", "", override
+    entry = entry_of(key, table)
+    renames = {str(k): v for k, v in (entry or {}).get("values", {}).items()}  # by text: a value may be a mapping ({})
+    renamed = renames.get(str(hydra_value(value)))
+    if renamed is not None:
+        return "value renamed", f"{key}={value} is {key}={renamed} here: {' '.join(str(entry['reason']).split())}", f"{key}={renamed}"
+    if key in leaves or any(leaf.startswith(key + ".") for leaf in leaves) or any(key.startswith(m + ".") for m in open_mappings):
+        return "key", "", f"{key}={value}"
+    if entry is None:
+        close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
+        return "unknown", f"not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""), None
+    if "mapped" in entry:
+        return "mapped", f"verl's {key} is fsdptrain's {entry['mapped']}", f"{entry['mapped']}={value}"
+    if "accepted" in entry:
+        return "accepted", f"changes nothing here: {' '.join(str(entry['accepted']).split())}", None
+    if "refused" in entry and ("unless" not in entry or hydra_value(value) not in off_values(entry)):
+        return "refused", " ".join(str(entry["refused"]).split()), None
+    if entry.get("world_size"):
+        return "launch shape", "checked against the number of processes", None
+    return "left off", "a refused feature's key, at a value that asks for nothing unbuilt", None
+
+
+def key_states(overrides: list[str], trainer: str) -> list[tuple[str, str, str, str | None]]:
+    """Each override's (key=value, state, meaning, override for Hydra), as `classify` gives them."""
+    leaves, open_mappings = known_keys(trainer)
+    table = verl_table(trainer)
+    return [(override, *classify(override, trainer, leaves, open_mappings, table)) for override in overrides]
+
+
 def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list[str], list[str]]:
     """The overrides as fsdptrain takes them, and the problems of those it cannot take (unknown keys with the
     closest known one, refused keys with what to use instead, a launch shape that is not the world's): the config's
     loading reports them with its own, all in one error."""
-    leaves, open_mappings = known_keys(trainer)
-    table = verl_table(trainer)
     kept, problems, shape = [], [], {}
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        key = key.lstrip("+")  # verl's scripts add keys its own schema lacks with `+key=`; here every key is checked alike
-        if not sep or key.startswith(("~", "hydra.", "-")):
-            kept.append(override)
-            continue
-        entry = entry_of(key, table)
-        renames = {str(k): v for k, v in (entry or {}).get("values", {}).items()}  # by text: a value may be a mapping ({})
-        renamed = renames.get(str(hydra_value(value)))
-        if renamed is not None:
-            note(f"{key}={value} is {key}={renamed} here: {' '.join(str(entry['reason']).split())}")
-            kept.append(f"{key}={renamed}")
-            continue
-        if key in leaves or any(leaf.startswith(key + ".") for leaf in leaves) or any(key.startswith(m + ".") for m in open_mappings):
-            kept.append(f"{key}={value}")
-            continue
-        if entry is None:
-            close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
-            problems.append(f"{key}: not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""))
-        elif "mapped" in entry:
-            note(f"verl's {key} is fsdptrain's {entry['mapped']}")
-            kept.append(f"{entry['mapped']}={value}")
-        elif "accepted" in entry:
-            note(f"{key}={value} changes nothing here: {' '.join(str(entry['accepted']).split())}")
-        elif "refused" in entry and ("unless" not in entry or hydra_value(value) not in off_values(entry)):
-            problems.append(f"{key}={value}: {' '.join(str(entry['refused']).split())}")
-        elif entry.get("world_size"):
+    for override, state, meaning, taken in key_states(overrides, trainer):
+        key, _, value = override.partition("=")
+        key = key.lstrip("+")
+        if taken is not None:
+            kept.append(taken)
+        if state in ("value renamed", "mapped"):
+            note(meaning)
+        elif state == "accepted":
+            note(f"{key}={value} {meaning}")
+        elif state == "unknown":
+            problems.append(f"{key}: {meaning}")
+        elif state == "refused":
+            problems.append(f"{key}={value}: {meaning}")
+        elif state == "launch shape":
             shape[key.rsplit(".", 1)[1]] = hydra_value(value)
     if "nnodes" in shape or "n_gpus_per_node" in shape:
         nodes, per_node = shape.get("nnodes", 1), shape.get("n_gpus_per_node", world_size)

@@ -47,6 +47,9 @@ def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: in
 
 
 def load_tokenizer(path: str, path_key: str, config: ModelConfig) -> PreTrainedTokenizerBase:
+    if not any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"{path_key}={path!r} is not a Hugging Face model folder with its tokenizer (no tokenizer.json or "
+                          "tokenizer_config.json)")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     if not tokenizer.is_fast:
         raise ConfigError(f"{path_key}={path!r}: a fast tokenizer is required")

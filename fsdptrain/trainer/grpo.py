@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
-from transformers import AutoModelForTokenClassification
+from transformers import AutoModelForTokenClassification, PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdptrain.config.grpo import GRPOConfig
 from fsdptrain.config.shared import ModelConfig
 from fsdptrain.data.dataset import Sample, check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
-from fsdptrain.distributed.mesh import Parallel, world_from_environment
+from fsdptrain.distributed.mesh import Parallel, World, world_from_environment
 from fsdptrain.distributed.reductions import max_over_ranks
 from fsdptrain.errors import ConfigError
 from fsdptrain.logging.profiler import profile_step
@@ -34,7 +34,7 @@ from fsdptrain.rl.agent.interactions import BaseInteraction, check_interaction_n
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, Loop, LoopContext
 from fsdptrain.rl.agent.tools import BaseTool, load_tools, tool_schemas
 from fsdptrain.rl.critic import Critic
-from fsdptrain.rl.data import load_prompts
+from fsdptrain.rl.data import Prompt, load_prompts
 from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, multi_turn_metrics, plot, source_metrics, step_metrics
 from fsdptrain.rl.remote_reward import RemoteReward
 from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
@@ -169,24 +169,47 @@ class GRPOStep:
         sync_weights(self.actor.model, self.engine, self.plan.weight_bucket_bytes)
 
 
-def run_grpo(config: GRPOConfig) -> None:
-    model_config, trainer = config.actor_rollout_ref.model, config.trainer
+@dataclass
+class GRPOInputs:
+    """What a GRPO run reads before its processes work together: each is checked, and a problem is the user's
+    before any rank has started (fsdptrain.check reads the same)."""
+
+    plan: GRPOPlan
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+    tools: dict[str, BaseTool]
+    interactions: dict[str, BaseInteraction]
+    reward_fn: RewardFn
+    train: list[Prompt]
+    val: list[Prompt]
+    total_steps: int
+
+
+def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
+    model_config, multi_turn = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout.multi_turn
     check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})
     tokenizer = load_tokenizer(model_config.path, "actor_rollout_ref.model.path", model_config)
-    plan = plan_grpo(config, world_from_environment(trainer.device), tokenizer.pad_token_id)
-    parallel = start_run(trainer, plan.sp_size, config.actor_rollout_ref.nccl_timeout)
-    claim_run_directory(trainer, parallel)
-    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    plan = plan_grpo(config, world, tokenizer.pad_token_id)
     tools = load_tools(multi_turn.tool_config_path) if plan.multi_turn and multi_turn.tool_config_path else {}
     interactions = load_interactions(multi_turn.interaction_config_path) if plan.multi_turn and multi_turn.interaction_config_path else {}
-    hf_config = load_model_config(model_config.path, "actor_rollout_ref.model.path", model_config, parallel.sp_size)
+    hf_config = load_model_config(model_config.path, "actor_rollout_ref.model.path", model_config, plan.sp_size)
     if plan.sequence_length > getattr(hf_config, "max_position_embeddings", plan.sequence_length):
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {plan.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
     reward_fn = build_reward_function(config, plan)
     train, val = (load_rl_prompts(config, plan, files, tokenizer, key, tools, interactions)
                   for files, key in ((config.data.train_files, "data.train_files"), (config.data.val_files, "data.val_files")))
-    total_steps = count_steps(trainer, len(train), config.data.train_batch_size, "prompts")
+    total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "prompts")
+    return GRPOInputs(plan, tokenizer, hf_config, tools, interactions, reward_fn, train, val, total_steps)
+
+
+def run_grpo(config: GRPOConfig) -> None:
+    model_config, trainer = config.actor_rollout_ref.model, config.trainer
+    inputs = read_grpo_inputs(config, world_from_environment(trainer.device))
+    plan, tokenizer, hf_config, train, val, total_steps = (inputs.plan, inputs.tokenizer, inputs.hf_config, inputs.train, inputs.val,
+                                                           inputs.total_steps)
+    parallel = start_run(trainer, plan.sp_size, config.actor_rollout_ref.nccl_timeout)
+    claim_run_directory(trainer, parallel)
     kl_ctrl = build_kl_controller(config)
     algorithm = config.algorithm
     shaping = build_reward_shaping(config)
@@ -201,10 +224,10 @@ def run_grpo(config: GRPOConfig) -> None:
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
                    run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None,
                    lora=model_config.lora("actor_rollout_ref.model"))
-    scorer = Scorer(reward_fn, tokenizer, plan.overlong, batch_sources(config, parallel, tokenizer))
+    scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(config, parallel, tokenizer))
     step_once = build_step(config, plan, run, hf_config, train, scorer, cursor, kl_ctrl, shaping, critic)
     engine = step_once.engine
-    context = LoopContext(engine, tokenizer, plan.multi_turn, tools, interactions, config.data.apply_chat_template_kwargs)
+    context = LoopContext(engine, tokenizer, plan.multi_turn, inputs.tools, inputs.interactions, config.data.apply_chat_template_kwargs)
     loops = build_loops(context, [*train, *val])
     step_once.sampler.loops = loops
     step_once.sync_weights()  # the resumed weights, before the first rollout

@@ -1,10 +1,11 @@
 """Supervised fine-tuning: the step loop on top of the shared set-up."""
 
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdptrain.config.sft import SFTConfig
 from fsdptrain.data.batching import epoch_batches, rank_share
@@ -64,17 +65,37 @@ def validate(model: nn.Module, samples: Sequence[Sample], plan: SFTPlan, paralle
     return nll_sum / max(token_sum, 1.0)
 
 
-def run_sft(config: SFTConfig) -> None:
-    plan = plan_sft(config)
+@dataclass
+class SFTInputs:
+    """What an SFT run reads before its processes work together: each is checked, and a problem is the user's
+    before any rank has started (fsdptrain.check reads the same)."""
+
+    plan: SFTPlan
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    train: list[Sample]
+    val: list[Sample]
+    total_steps: int
+
+
+def read_sft_inputs(config: SFTConfig) -> SFTInputs:
     check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})
-    parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size, config.trainer.nccl_timeout)
-    claim_run_directory(config.trainer, parallel)
     path = config.model.partial_pretrain
-    hf_config = load_model_config(path, "model.partial_pretrain", config.model, parallel.sp_size)
+    hf_config = load_model_config(path, "model.partial_pretrain", config.model, config.ulysses_sequence_parallel_size)
     tokenizer = load_tokenizer(path, "model.partial_pretrain", config.model)
     train = load_sft_samples(config.data.train_files, tokenizer, config.data)
     val = load_sft_samples(config.data.val_files, tokenizer, config.data) if config.data.val_files else []
     total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "samples")
+    return SFTInputs(plan_sft(config), hf_config, tokenizer, train, val, total_steps)
+
+
+def run_sft(config: SFTConfig) -> None:
+    inputs = read_sft_inputs(config)
+    plan, hf_config, tokenizer, train, val, total_steps = (inputs.plan, inputs.hf_config, inputs.tokenizer, inputs.train, inputs.val,
+                                                           inputs.total_steps)
+    parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size, config.trainer.nccl_timeout)
+    claim_run_directory(config.trainer, parallel)
+    path = config.model.partial_pretrain
     steps_per_epoch = len(train) // config.data.train_batch_size
 
     run = open_run(

@@ -1,0 +1,101 @@
+"""`python -m fsdptrain.check {sft,grpo} [--nnodes M] [--nproc-per-node N] [--device cuda|cpu] key=value ...`: whether
+a run would start, checked on any machine before the GPUs are rented, without torchrun or a GPU.
+
+It reads the command line exactly as the trainer would for that launch shape (verl's keys translated, each
+mapped or accepted one named with its reason; every problem reported at once), then everything the trainer reads
+before its processes work together: the data files (every row tokenized, as training will), the model folder's
+config and tokenizer, the reward function, the tools. It prints the resolved sizes (ranks, batches per rank,
+steps, tokens) and exits 0 only if the run would start; otherwise 1, with every problem it found.
+"""
+
+import argparse
+import sys
+
+import torch
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
+
+from fsdptrain.config.verl_keys import translate
+from fsdptrain.distributed.mesh import World
+from fsdptrain.errors import UserError
+
+
+def micro_batches(batching) -> str:
+    if batching.dynamic:
+        return f"packed up to {batching.max_tokens} tokens a forward pass ({batching.max_tokens_key})"
+    return f"{batching.size} sequences a forward pass ({batching.size_key})"
+
+
+def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[str]:
+    from fsdptrain.trainer.grpo import read_grpo_inputs
+    from fsdptrain.trainer.grpo_plan import read_grpo_config
+
+    config = read_grpo_config(composed("grpo_trainer", overrides), problems, world)
+    inputs = read_grpo_inputs(config, world)
+    plan, data, actor, n = inputs.plan, config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
+    dp = world.world_size // plan.sp_size
+    return [
+        f"processes: {world.world_size} ({world.world_size // world.host_processes} node(s) x {world.host_processes}), data-parallel {dp} "
+        f"x sequence-parallel {plan.sp_size}, on {world.device.type}",
+        f"training prompts: {len(inputs.train)} (validation: {len(inputs.val)}); steps: {inputs.total_steps}",
+        f"a step: {data.train_batch_size} prompts x {n} responses = {data.train_batch_size * n} sequences, "
+        f"{data.train_batch_size // dp} prompts a data-parallel rank; {data.train_batch_size // actor.ppo_mini_batch_size} optimizer "
+        f"step(s) x {actor.ppo_epochs} epoch(s) of {plan.update.mini_batch_sequences} sequences a rank",
+        f"the update: {micro_batches(plan.update_batching)}; old log-probs: {micro_batches(plan.log_prob_batching)}",
+        f"a sequence: at most {plan.sequence_length} tokens ({data.max_prompt_length} prompt + {data.max_response_length} response); "
+        f"a step at most {data.train_batch_size * n * plan.sequence_length} tokens",
+        f"estimator {config.algorithm.adv_estimator}, loss {plan.loss.loss_mode} ({plan.loss.policy_agg_mode}), rollout engine "
+        f"{plan.engine_name}{', a critic' if plan.critic else ''}{', a reference model' if plan.needs_reference else ''}",
+    ]
+
+
+def sft_sizes(overrides: list[str], problems: list[str], world: World) -> list[str]:
+    from fsdptrain.trainer.sft import read_sft_inputs
+    from fsdptrain.trainer.sft_plan import read_sft_config
+
+    config = read_sft_config(composed("sft_trainer", overrides), problems, world)
+    inputs = read_sft_inputs(config)
+    data, sp = config.data, config.ulysses_sequence_parallel_size
+    dp = world.world_size // sp
+    return [
+        f"processes: {world.world_size} ({world.world_size // world.host_processes} node(s) x {world.host_processes}), data-parallel {dp} "
+        f"x sequence-parallel {sp}, on {world.device.type}",
+        f"training samples: {len(inputs.train)} (validation: {len(inputs.val)}); steps: {inputs.total_steps}",
+        f"a step: {data.train_batch_size} samples, {data.train_batch_size // dp} a data-parallel rank; "
+        f"{micro_batches(inputs.plan.micro_batching)}",
+        f"a sample: at most {data.max_length} tokens; a step at most {data.train_batch_size * data.max_length} tokens",
+    ]
+
+
+def composed(config_name: str, overrides: list[str]):
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def check(trainer: str, overrides: list[str], world: World) -> int:
+    """0 and the run's sizes where the run would start; else 1 and its problems (printed)."""
+    kept, problems = translate(overrides, trainer, world.world_size)
+    try:
+        sizes = (grpo_sizes if trainer == "grpo" else sft_sizes)(kept, problems, world)
+    except (UserError, HydraException) as e:
+        print(f"fsdptrain.check: the run would not start:\n{e}", file=sys.stderr)
+        return 1
+    print(f"fsdptrain.check: the {trainer} run would start.")
+    for line in sizes:
+        print(f"  {line}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdptrain.check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trainer", choices=("sft", "grpo"))
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="processes a node (torchrun's --nproc_per_node)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the run will have (default: cuda)")
+    args, overrides = parser.parse_known_args(argv)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    return check(args.trainer, overrides, World(0, args.nnodes * args.nproc_per_node, args.nproc_per_node, device))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

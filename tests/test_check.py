@@ -1,0 +1,54 @@
+"""`python -m fsdptrain.check`: whether a run would start, read as the trainer reads it, for a launch shape this
+machine does not have (8 GPUs), without torchrun: the sizes it prints, every problem at once, the data and model
+checked, verl's keys named with their state."""
+
+import subprocess
+import sys
+
+from fsdptrain.check import main
+
+from conftest import REPO, sft_args
+from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+
+
+def test_a_grpo_run_for_eight_gpus_would_start_with_its_sizes(tiny_llama, rl_data, capsys):  # noqa: F811
+    args = grpo_args(tiny_llama, rl_data, "unused", data__train_batch_size=8, actor_rollout_ref__actor__ulysses_sequence_parallel_size=2,
+                     trainer__total_training_steps="null", trainer__total_epochs=2, trainer__device="cuda",
+                     actor_rollout_ref__actor__fsdp_config__optimizer_offload="True")
+    assert main(["grpo", "--nproc-per-node", "8", *args]) == 0
+    out, err = capsys.readouterr()
+    assert "the grpo run would start" in out
+    assert "data-parallel 4 x sequence-parallel 2, on cuda" in out
+    assert "training prompts: 32 (validation: 4); steps: 8" in out  # 2 epochs of 32 // 8
+    assert "8 prompts x 4 responses = 32 sequences, 2 prompts a data-parallel rank" in out
+    assert "optimizer_offload=True changes nothing here" in err  # a verl key, named with its reason
+
+
+def test_every_problem_of_a_command_line_is_named_and_the_exit_is_1(tiny_llama, rl_data, capsys):  # noqa: F811
+    args = grpo_args(tiny_llama, rl_data, "unused", data__train_batch_size=6, actor_rollout_ref__actor__optim__lrr=1,
+                     actor_rollout_ref__actor__use_torch_compile="True")
+    assert main(["grpo", "--nproc-per-node", "4", *args]) == 1
+    err = capsys.readouterr().err
+    assert "the run would not start" in err
+    assert "actor_rollout_ref.actor.optim.lrr: not a key" in err and "did you mean actor_rollout_ref.actor.optim.lr" in err
+    assert "data.train_batch_size (6) must be divisible by the data-parallel size (4)" in err
+
+
+def test_the_data_and_the_model_are_read_as_training_reads_them(tiny_llama, rl_data, chat_data, tmp_path, capsys):  # noqa: F811
+    missing = grpo_args(tiny_llama, rl_data, "unused", data__train_files=str(tmp_path / "nope.parquet"))
+    assert main(["grpo", *missing]) == 1
+    assert "data.train_files" in capsys.readouterr().err
+    assert main(["grpo", *grpo_args(str(tmp_path), rl_data, "unused")]) == 1  # a folder without a model
+    assert "actor_rollout_ref.model.path" in capsys.readouterr().err
+    # SFT: multi-turn rows read as chats; without data.multiturn.enable the prompt/response columns are missing
+    assert main(["sft", "--nproc-per-node", "2", *sft_args(tiny_llama, chat_data, "unused")]) == 0
+    assert "training samples: 64 (validation: 12); steps: 3" in capsys.readouterr().out
+    assert main(["sft", *sft_args(tiny_llama, chat_data, "unused", data__multiturn__enable="false")]) == 1
+    assert "missing column(s) ['prompt', 'response']" in capsys.readouterr().err
+
+
+def test_it_runs_as_a_command_without_torchrun(tiny_llama, chat_data):
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.check", "sft", "--device", "cpu", *sft_args(tiny_llama, chat_data, "unused")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "the sft run would start" in result.stdout
