@@ -62,17 +62,32 @@ def interrupted(tmp_path_factory, tiny_llama, chat_data):
     return out
 
 
-@pytest.mark.parametrize("nproc, sp", [(2, 1), (1, 1), (4, 1), (2, 2)], ids=["same", "dp1", "dp4", "sp2"])
-def test_resume_reproduces_the_straight_run(tmp_path, tiny_llama, chat_data, straight, interrupted, nproc, sp):
-    """Saved with 2 processes (dp=2, sp=1); resumed with as many, fewer, more, or with sequence parallelism."""
+@pytest.mark.parametrize("nproc, sp, fsdp_size", [(2, 1, -1), (1, 1, -1), (4, 1, -1), (2, 2, -1), (4, 1, 2)],
+                         ids=["same", "dp1", "dp4", "sp2", "hsdp-2x2"])
+def test_resume_reproduces_the_straight_run(tmp_path, tiny_llama, chat_data, straight, interrupted, nproc, sp, fsdp_size):
+    """Saved with 2 processes (dp=2, sp=1); resumed with as many, fewer, more, with sequence parallelism, or
+    hybrid-sharded (4 processes as 2 replicas of 2 shards)."""
     out = str(tmp_path / "run")
     shutil.copytree(interrupted, out)
-    run_sft(nproc, tiny_llama, chat_data, out, ulysses_sequence_parallel_size=sp, **RUN)
+    run_sft(nproc, tiny_llama, chat_data, out, ulysses_sequence_parallel_size=sp, model__fsdp_config__fsdp_size=fsdp_size, **RUN)
     tolerance = 1e-6 if (nproc, sp) == (2, 1) else 1e-5  # another layout sums in another order
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # steps the killed run logged past 3 are replaced
     assert [m["train/lr"] for m in metrics] == pytest.approx([m["train/lr"] for m in read_metrics(straight)], abs=1e-12)
     assert_same_run(out, straight, atol=tolerance)
+
+
+def test_a_hybrid_sharded_checkpoint_resumes_sharded_over_every_rank(tmp_path, tiny_llama, chat_data, straight):
+    """Saved hybrid-sharded (4 processes as 2 replicas of 2 shards), resumed as 2 processes sharding over both:
+    the straight run's numbers."""
+    out = str(tmp_path / "run")
+    process = start_sft(4, tiny_llama, chat_data, out, trainer__save_freq=3, model__fsdp_config__fsdp_size=2, **RUN)
+    wait_for_checkpoint(out, 3, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    run_sft(2, tiny_llama, chat_data, out, **RUN)
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, STEPS + 1))
+    assert_same_run(out, straight, atol=1e-5)
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, tiny_llama, chat_data, straight):

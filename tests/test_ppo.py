@@ -65,6 +65,32 @@ def ppo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
 
 
 @pytest.mark.slow
+def test_ppo_with_kl_hybrid_sharded_trains_as_sharded_over_every_rank(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    """The actor (with the reference it shards as) and the critic each hybrid-sharded (verl's fsdp_size: 4
+    processes as 2 replicas of 2 shards) against sharded over all 4: the same rollouts, losses, values and
+    gradient norms, step by step."""
+    runs = {}
+    for size in (-1, 2):
+        runs[size] = str(tmp_path / str(size))
+        torchrun(4, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, runs[size], trainer__total_training_steps=2, data__val_files="null",
+                                                        actor_rollout_ref__actor__use_kl_loss="true",
+                                                        actor_rollout_ref__actor__fsdp_config__fsdp_size=size,
+                                                        critic__model__fsdp_config__fsdp_size=size, **PPO))
+    hybrid, full = read_metrics(runs[2]), read_metrics(runs[-1])
+    assert len(hybrid) == len(full) == 2
+    for h, f in zip(hybrid, full):
+        assert h["critic/score/mean"] == f["critic/score/mean"] and h["response_length/mean"] == f["response_length/mean"]
+        assert h.keys() == f.keys()  # the actor's metrics from step 2 (critic_warmup=1)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss", "critic/values/mean", "critic/returns/mean"):
+            if key in f:
+                assert h[key] == pytest.approx(f[key], abs=1e-6), key
+        for key in ("actor/grad_norm", "critic/grad_norm"):
+            if key in f:
+                assert h[key] == pytest.approx(f[key], rel=1e-4), key  # fp32 norms: see assert_same_run
+    assert full[1]["actor/grad_norm"] > 0 and full[0]["critic/grad_norm"] > 0
+
+
+@pytest.mark.slow
 def test_a_ppo_run_warms_the_critic_up_reports_it_and_checkpoints_it(ppo_straight):
     """critic_warmup=1, the critic's shards in host memory between uses (cpu_offload), three steps."""
     metrics = read_metrics(ppo_straight)

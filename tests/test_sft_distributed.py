@@ -36,6 +36,23 @@ def test_layouts_agree_with_balanced_tokens(tmp_path, tiny_llama, chat_data, ref
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, sp, fsdp_size", [(4, 1, 2), (8, 2, 4)], ids=["4-as-2x2", "8-as-2x2xsp2"])
+def test_hybrid_sharding_trains_as_sharding_over_every_rank(tmp_path, tiny_llama, chat_data, nproc, sp, fsdp_size):
+    """verl's fsdp_size: the model sharded over groups of fsdp_size ranks and replicated across them (HSDP) trains
+    as sharded over every rank: 4 processes as 2 x 2 against 4 x 1; 8 as 2 replicas x 2 shards x Ulysses 2 against
+    Ulysses alone. Losses to 1e-6; the fp32 gradient norm to 1e-4 of itself (the reduction order differs: 7e-6 at
+    the first step, growing through AdamW's steps)."""
+    runs = {}
+    for size in (-1, fsdp_size):
+        runs[size] = str(tmp_path / str(size))
+        run_sft(nproc, tiny_llama, chat_data, runs[size], ulysses_sequence_parallel_size=sp, model__fsdp_config__fsdp_size=size,
+                trainer__checkpoint__save_contents=SAVE_HF)
+    hybrid, full = read_metrics(runs[fsdp_size]), read_metrics(runs[-1])
+    assert [m["train/loss"] for m in hybrid] == pytest.approx([m["train/loss"] for m in full], abs=1e-6)
+    assert_same_run(runs[fsdp_size], runs[-1], atol=1e-6)
+
+
 def test_untied_embedding_in_its_own_fsdp_group(tmp_path, tokenizer, chat_data):
     """An untied input embedding (as in Qwen2-7B, Llama-3) is sharded as a group of its own: dp=2 with
     resharding after forward still trains exactly as one process does."""

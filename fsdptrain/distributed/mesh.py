@@ -1,7 +1,7 @@
 """Process group, device and the (dp, sp) device mesh."""
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -24,6 +24,18 @@ class Parallel:
     dp_size: int
     sp_rank: int
     sp_size: int
+    hybrid_meshes: dict[int, DeviceMesh] = field(default_factory=dict)  # by shard group size, built once each
+
+    def sharding_mesh(self, fsdp_size: int) -> DeviceMesh:
+        """The mesh a model's parameters shard over: every rank (fsdp_size -1, or the world), else 2-D (replicate,
+        shard): groups of fsdp_size consecutive ranks (a node's) that each hold the whole model, replicated across
+        the groups (HSDP). Every rank calls it alike: a new size is a new process group."""
+        if fsdp_size in (-1, self.world_size):
+            return self.fsdp_mesh
+        if fsdp_size not in self.hybrid_meshes:
+            self.hybrid_meshes[fsdp_size] = init_device_mesh(self.device.type, (self.world_size // fsdp_size, fsdp_size),
+                                                             mesh_dim_names=("replicate", "shard"))
+        return self.hybrid_meshes[fsdp_size]
 
     @property
     def is_main(self) -> bool:
@@ -55,6 +67,13 @@ def world_from_environment(device_preference: str) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     return World(int(os.environ.get("RANK", 0)), world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                  resolve_device(device_preference))
+
+
+def check_fsdp_size(fsdp_size: int, world_size: int, key: str) -> None:
+    """Hybrid sharding needs whole shard groups."""
+    if fsdp_size != -1 and world_size % fsdp_size:
+        raise ConfigError(f"{key} ({fsdp_size}) must divide the number of processes ({world_size}): the model is sharded over groups "
+                          "of that many ranks and replicated across the groups")
 
 
 def check_sp_divides_world(sp_size: int, world_size: int) -> None:

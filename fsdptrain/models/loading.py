@@ -133,7 +133,7 @@ def build_model(
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    apply_fsdp(model, parallel.fsdp_mesh, fsdp, parallel.device)
+    apply_fsdp(model, parallel.sharding_mesh(fsdp.fsdp_size), fsdp, parallel.device)
     model.to_empty(device="cpu" if fsdp.cpu_offload else parallel.device)
 
     pretrained = None

@@ -14,7 +14,7 @@ from fsdptrain.config.base import one_of, read_config
 from fsdptrain.config.grpo import ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, own_checks, validate_critic
 from fsdptrain.config.shared import validate_sequence_parallel
 from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
-from fsdptrain.distributed.mesh import World, check_sp_divides_world, world_from_environment
+from fsdptrain.distributed.mesh import World, check_fsdp_size, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import compute_dtype, warn_if_emulated
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
@@ -260,6 +260,9 @@ def check_layout(config: GRPOConfig, world: World) -> None:
     data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     sp, tp = actor.ulysses_sequence_parallel_size, rollout.tensor_model_parallel_size
     check_sp_divides_world(sp, world.world_size)
+    check_fsdp_size(actor.fsdp_config.fsdp_size, world.world_size, f"{ACTOR}.fsdp_config.fsdp_size")
+    if uses_critic(config):
+        check_fsdp_size(config.critic.model.fsdp_config.fsdp_size, world.world_size, f"{CRITIC}.model.fsdp_config.fsdp_size")
     if world.world_size % tp:
         raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world.world_size}): "
                           "each engine spans that many consecutive ranks")

@@ -59,16 +59,17 @@ def keep_freed_host_memory() -> bool:
     return True
 
 
-def apply_cpu_speedups(model: nn.Module, speedups: CpuSpeedupsConfig, parallel: Parallel, host_memory: bool) -> None:
+def apply_cpu_speedups(model: nn.Module, speedups: CpuSpeedupsConfig, parallel: Parallel, host_memory: bool, shard_ranks: int) -> None:
     """The CPU-only speed-ups (`trainer.cpu_speedups.*`) for a sharded model, each where its switch is on and it
     applies: the collectives and the embedding gradient on a CPU device, glibc's setting wherever the training
-    tensors live in host memory (`host_memory`: a CPU device or CPU offload)."""
+    tensors live in host memory (`host_memory`: a CPU device or CPU offload); `shard_ranks`: the ranks each of its
+    shard groups spans."""
     if speedups.keep_freed_host_memory and host_memory and keep_freed_host_memory():
         announce_once("cpu speed-up on: glibc keeps freed memory for reuse (trainer.cpu_speedups.keep_freed_host_memory)")
     if parallel.device.type != "cpu":
         return
     if speedups.point_to_point_collectives:
-        not_used = use_gloo_comms(model, parallel.fsdp_mesh.size())
+        not_used = use_gloo_comms(model, shard_ranks)
         announce_once(
             f"cpu speed-up off: point-to-point collectives not used: {not_used}" if not_used
             else "cpu speed-up on: FSDP2 collectives as gloo send/recv (trainer.cpu_speedups.point_to_point_collectives)"

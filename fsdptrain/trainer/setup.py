@@ -81,7 +81,7 @@ def build_sharded_model(
     if isinstance(model, LanguageModelConfig) and model.use_liger:
         announce_once(apply_liger_kernels(sharded, parallel.device))
     host_memory = parallel.device.type == "cpu" or fsdp.cpu_offload
-    apply_cpu_speedups(sharded, trainer.cpu_speedups, parallel, host_memory)
+    apply_cpu_speedups(sharded, trainer.cpu_speedups, parallel, host_memory, parallel.sharding_mesh(fsdp.fsdp_size).size(-1))
     return sharded
 
 
