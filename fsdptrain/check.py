@@ -26,6 +26,11 @@ def micro_batches(batching) -> str:
     return f"{batching.size} sequences a forward pass ({batching.size_key})"
 
 
+def processes(world: World, sp: int) -> str:
+    return (f"processes: {world.world_size} ({world.world_size // world.host_processes} node(s) x {world.host_processes}), data-parallel "
+            f"{world.world_size // sp} x sequence-parallel {sp}, on {world.device.type}")
+
+
 def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[str]:
     from fsdptrain.trainer.grpo import read_grpo_inputs
     from fsdptrain.trainer.grpo_plan import read_grpo_config
@@ -35,8 +40,7 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
     plan, data, actor, n = inputs.plan, config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
     dp = world.world_size // plan.sp_size
     return [
-        f"processes: {world.world_size} ({world.world_size // world.host_processes} node(s) x {world.host_processes}), data-parallel {dp} "
-        f"x sequence-parallel {plan.sp_size}, on {world.device.type}",
+        processes(world, plan.sp_size),
         f"training prompts: {len(inputs.train)} (validation: {len(inputs.val)}); steps: {inputs.total_steps}",
         f"a step: {data.train_batch_size} prompts x {n} responses = {data.train_batch_size * n} sequences, "
         f"{data.train_batch_size // dp} prompts a data-parallel rank; {data.train_batch_size // actor.ppo_mini_batch_size} optimizer "
@@ -58,8 +62,7 @@ def sft_sizes(overrides: list[str], problems: list[str], world: World) -> list[s
     data, sp = config.data, config.ulysses_sequence_parallel_size
     dp = world.world_size // sp
     return [
-        f"processes: {world.world_size} ({world.world_size // world.host_processes} node(s) x {world.host_processes}), data-parallel {dp} "
-        f"x sequence-parallel {sp}, on {world.device.type}",
+        processes(world, sp),
         f"training samples: {len(inputs.train)} (validation: {len(inputs.val)}); steps: {inputs.total_steps}",
         f"a step: {data.train_batch_size} samples, {data.train_batch_size // dp} a data-parallel rank; "
         f"{micro_batches(inputs.plan.micro_batching)}",

@@ -60,25 +60,26 @@ def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], ge
 
 def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], group_ids: torch.Tensor,
                      settings: AdvantageSettings, parallel: Parallel, source_scores: torch.Tensor | None = None,
-                     baselines: torch.Tensor | None = None, samples: Sequence[Sample] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                     baselines: torch.Tensor | None = None, samples: Sequence[Sample] = ()) -> list[torch.Tensor]:
     """Each response's per-token advantages (`group_ids`: each response's group) by the estimator of `settings`: a
     group estimator's value (from the summed rewards) on every token; a sources estimator's, from `source_scores`
     (responses, sources; None without sources: the summed rewards alone) and the sources' weights; a token
     estimator's; a baseline estimator's, from `baselines` (each response's prompt's greedy score); an optimal-token
-    estimator's, from the `samples`' old log-probs, sums of squared probabilities and rollout importance weights. Those registered `whitened` are whitened over every
-    rank's response tokens. Returns (advantages, the returns where the estimator gives them)."""
+    estimator's, from the `samples`' old log-probs, sums of squared probabilities and rollout importance weights.
+    Those registered `whitened` (or all, or none, by whiten_advantages) are whitened over every rank's response
+    tokens."""
     masks, registry, estimator = [g.mask for g in generations], core_algos.ADVANTAGE_ESTIMATORS, settings.estimator
-    kind, returns = registry.info[estimator]["kind"], None
+    kind = registry.info[estimator]["kind"]
     if kind == "token":
         advantages = [registry[estimator](reward, mask, settings.gamma) for reward, mask in zip(token_rewards, masks)]
     elif kind == "optimal_token":
-        advantages, returns = optimal_token_advantages(token_rewards, masks, group_ids, samples, generations, estimator)
+        advantages = optimal_token_advantages(token_rewards, masks, group_ids, samples, generations, estimator)
     elif kind == "baseline":
-        advantages, returns = map(list, zip(*(registry[estimator](reward, mask, baseline)
-                                               for reward, mask, baseline in zip(token_rewards, masks, baselines))))
+        advantages = [registry[estimator](reward, mask, baseline)[0] for reward, mask, baseline in zip(token_rewards, masks, baselines)]
     else:
         scores = torch.stack([reward.sum() for reward in token_rewards])
-        group = core_algos.GroupSettings(settings.norm_by_std, batch_scale=nonzero_scale(scores, parallel))
+        batch_scale = nonzero_scale(scores, parallel) if registry.info[estimator].get("batch_scaled") else 1.0
+        group = core_algos.GroupSettings(settings.norm_by_std, batch_scale=batch_scale)
         if kind == "sources":
             weights = torch.tensor([weight for _, weight in settings.sources] or [1.0], dtype=scores.dtype)
             per_sequence = registry[estimator](scores[:, None] if source_scores is None else source_scores, weights, group_ids, group)
@@ -88,24 +89,24 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
     if settings.whiten if settings.whiten is not None else registry.info[estimator].get("whitened"):
         advantages = whitened(advantages, masks, parallel)
-    return advantages, returns
+    return advantages
 
 
 def optimal_token_advantages(token_rewards: list[torch.Tensor], masks: list[torch.Tensor], group_ids: torch.Tensor, samples: Sequence[Sample],
-                             generations: Sequence[Generation], estimator: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                             generations: Sequence[Generation], estimator: str) -> list[torch.Tensor]:
     """An optimal-token estimator over each group's responses, right-padded to the group's longest."""
     registry = core_algos.ADVANTAGE_ESTIMATORS
-    advantages, returns = [None] * len(masks), [None] * len(masks)
+    advantages = [None] * len(masks)
     weighted = "rollout_is_weight" in samples[0].token_values
     for group in group_ids.unique():
         members = (group_ids == group).nonzero().flatten().tolist()
-        group_advantages, group_returns = registry[estimator](
+        group_advantages, _ = registry[estimator](
             pad_sequence([token_rewards[i] for i in members], batch_first=True), pad_sequence([masks[i] for i in members], batch_first=True),
             response_values(samples, generations, members, "old_log_prob"), response_values(samples, generations, members, "sum_pi_squared"),
             response_values(samples, generations, members, "rollout_is_weight") if weighted else None, registry.info[estimator]["compact"])
         for row, i in enumerate(members):
-            advantages[i], returns[i] = group_advantages[row, : len(masks[i])], group_returns[row, : len(masks[i])]
-    return advantages, returns
+            advantages[i] = group_advantages[row, : len(masks[i])]
+    return advantages
 
 
 def response_values(samples: Sequence[Sample], generations: Sequence[Generation], members: list[int], key: str) -> torch.Tensor:

@@ -19,9 +19,10 @@ from fsdptrain.registry import Registry
 # advantages (scores, lengths, GroupSettings); "sources" the batch's per-source scores, the sources' weights and the
 # group ids to the responses' advantages; "token" one response's per-token rewards and mask to its advantages
 # (token_rewards, mask, gamma); "baseline" one response's per-token rewards, mask and its prompt's greedy score to
-# (advantages, returns); "optimal_token" one group's padded per-token rewards, mask, old log-probs, sums of squared
-# probabilities and rollout importance weights to (advantages, returns); "critic" one response's per-token rewards, the critic's values, its mask, gamma and
-# lambda to its (advantages, returns). `whitened`: whitened afterwards over the whole batch's tokens (every rank's).
+# (advantages, returns); "optimal_token" one group's padded per-token rewards, mask, old log-probs, sums of
+# squared probabilities and rollout importance weights to (advantages, returns); "critic" one response's per-token
+# rewards, the critic's values, its mask, gamma and lambda to its (advantages, returns). `whitened`: whitened
+# afterwards over the whole batch's tokens (every rank's); `batch_scaled`: it reads GroupSettings.batch_scale.
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 # Each loss: (PolicyTokens, PolicyLossSettings) -> (per-token loss, clipped mask, lower-clipped mask). `agg_mode`:
 # the aggregation it always takes; `batch_local`: it reads statistics of its micro-batch (its gradient depends on
@@ -96,7 +97,7 @@ def passk_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: Grou
     return advantages
 
 
-@ADVANTAGE_ESTIMATORS.register("gpg", kind="group")
+@ADVANTAGE_ESTIMATORS.register("gpg", kind="group", batch_scaled=True)
 def gpg_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """GPG: alpha (s - mean), alpha the batch's responses over those scored nonzero (settings.batch_scale)."""
     return settings.batch_scale * (scores - group_mean_std(scores)[0])
@@ -124,6 +125,11 @@ def gdpo_advantages(source_scores: torch.Tensor, weights: torch.Tensor, groups: 
     return advantages
 
 
+def reward_to_go(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Undiscounted sum of the masked rewards from each position to the end of its response (the last dim)."""
+    return (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+
+
 def path_variance_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
     """The optimal token baseline of one group's aligned trajectories (N, T): at each position t,
     sum_i G_it W_it / sum_i W_it over the trajectories that reach t, W the cumulative path variance; 0 for a group
@@ -148,7 +154,7 @@ def optimal_token_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, ol
     1 - 2 pi_t + sum_v pi_v^2 (times the squared rollout importance weight where given). `compact`
     (tir_optimal_token_baseline, multi-turn): the trained tokens of each trajectory are aligned by their count,
     not their position, so that a tool's tokens shift nothing. Returns (advantages, returns)."""
-    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    returns = reward_to_go(token_rewards, mask)
     per_token = 1 - 2 * old_log_probs.exp() + sum_pi_squared
     if is_weights is not None:
         per_token = per_token * is_weights.square()
@@ -173,7 +179,7 @@ def optimal_token_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, ol
 def remax_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: the reward-to-go of one response minus `baseline`, the score of its prompt's greedy response.
     Returns (advantages, returns)."""
-    returns = (token_rewards * mask).flip(0).cumsum(0).flip(0)
+    returns = reward_to_go(token_rewards, mask)
     return returns - baseline * mask, returns
 
 

@@ -162,7 +162,7 @@ class GRPOStep:
         source_scores = None
         if advantage.sources:
             source_scores = torch.tensor([[s[f"{SOURCE}{name}"] for name, _ in advantage.sources] for s in scored])
-        return token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines, samples)[0]
+        return token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines, samples)
 
     def sync_weights(self) -> None:
         self.engine.wake_up()  # the weights go to the engine's own memory, not to what it parks while asleep

@@ -142,20 +142,25 @@ def check_names(config: GRPOConfig) -> list:
     return checks
 
 
+def bypasses(config: GRPOConfig) -> bool:
+    """Whether the old log-probs are the rollout engine's (verl's rollout-correction bypass, asked for by its key
+    or by naming its loss)."""
+    return config.algorithm.rollout_correction.bypass_mode or config.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode"
+
+
 def check_groups(config: GRPOConfig) -> None:
     """What compares the responses of one prompt needs two of them."""
     n, algorithm = config.actor_rollout_ref.rollout.n, config.algorithm
     estimator = algorithm.adv_estimator
-    if estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator]["kind"] in ("group", "sources") and n < 2:
+    kind = ADVANTAGE_ESTIMATORS.info.get(estimator, {}).get("kind")  # an unknown name is check_names' to report
+    if kind in ("group", "sources") and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={estimator} compares responses of one prompt: {ROLLOUT}.n must be >= 2, got {n}")
     if algorithm.filter_groups.enable and n < 2:
         raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {n}")
-    if ADVANTAGE_ESTIMATORS.info.get(estimator, {}).get("kind") == "baseline" and (algorithm.reward_norm or algorithm.reward_clip):
+    if kind == "baseline" and (algorithm.reward_norm or algorithm.reward_clip):
         raise ConfigError(f"algorithm.adv_estimator={estimator} subtracts the greedy response's score from the reward: "
                           "algorithm.reward_norm and reward_clip would put the two on different scales")
-    correction, loss_mode = algorithm.rollout_correction, config.actor_rollout_ref.actor.policy_loss.loss_mode
-    if (ADVANTAGE_ESTIMATORS.info.get(estimator, {}).get("kind") == "optimal_token"
-            and (correction.bypass_mode or loss_mode == "bypass_mode")):
+    if kind == "optimal_token" and bypasses(config):
         raise ConfigError(f"algorithm.adv_estimator={estimator} needs each token's sum of squared probabilities from the old policy's "
                           "forward pass, which algorithm.rollout_correction.bypass_mode skips")
     if algorithm.reward_norm == "group" and n < 2:
@@ -167,8 +172,7 @@ def warn_about_estimates(config: GRPOConfig) -> None:
     if algorithm.use_kl_in_reward and config.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
                       "reference: it is counted twice", stacklevel=3)
-    correction = algorithm.rollout_correction
-    if (correction.rollout_is is not None or correction.bypass_mode) and (rollout.top_p < 1 or rollout.top_k > 0):
+    if (algorithm.rollout_correction.rollout_is is not None or bypasses(config)) and (rollout.top_p < 1 or rollout.top_k > 0):
         warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
                       "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
                       stacklevel=3)
@@ -349,7 +353,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     dp = world.world_size // sp
     use_kl_in_reward = algorithm.use_kl_in_reward
     correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
-    bypass = correction.bypass_mode or policy_loss.loss_mode == "bypass_mode"
+    bypass = bypasses(config)
     optimal_token = ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "optimal_token"
     loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
