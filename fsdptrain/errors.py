@@ -1,5 +1,5 @@
-"""The errors that are the user's to fix (a setting, a file, a data row, a reward function, a server), not bugs:
-the entry points print their message once, without a traceback (trainer/report.py)."""
+"""The errors that are not bugs: the user's to fix (a setting, a file, a data row, a reward function, a server),
+or a rank of the run lost. The entry points print their message once, without a traceback (trainer/report.py)."""
 
 
 class UserError(Exception):
@@ -8,3 +8,12 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A configuration value that cannot be used; the message names the key."""
+
+
+class LostRankError(Exception):
+    """A collective failed because a rank is gone or stuck; the message names the step, the collective and the
+    ranks that did not answer. `reporter`: whether this rank prints it (the lowest rank still there)."""
+
+    def __init__(self, message: str, reporter: bool):
+        super().__init__(message)
+        self.reporter = reporter

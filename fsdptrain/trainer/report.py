@@ -1,9 +1,10 @@
-"""A user's error (errors.UserError: a setting, a file, a row, a reward function, a server) ends a trainer with its
-message printed once and no traceback, so that the last lines on the screen say what to fix. Anything else is a
-bug and keeps its traceback.
+"""A user's error (errors.UserError: a setting, a file, a row, a reward function, a server) or a lost rank
+(errors.LostRankError) ends a trainer with its message printed once and no traceback, so that the last lines on
+the screen say what to fix. Anything else is a bug and keeps its traceback.
 
-Under torchrun rank 0 prints the message and every failing rank writes it to its error file, which torchrun's
-summary prints as the failure's traceback: a problem found on another rank alone still ends the output. Raised
+Under torchrun rank 0 (for a lost rank: the lowest rank still there) prints the message and every failing rank
+writes it to its error file, which torchrun's summary prints as the failure's traceback: a problem found on
+another rank alone still ends the output. Raised
 before the process group starts, every rank has found the same problem: the other ranks leave first, so that the
 summary lists rank 0's failure alone. Started any other way, each failing rank prints its message.
 """
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from fsdptrain.distributed.launcher import under_torchrun
-from fsdptrain.errors import UserError
+from fsdptrain.errors import LostRankError, UserError
 
 LEAVE_FIRST_S = 1.0  # how long rank 0 waits for the other ranks to exit before it fails
 
@@ -27,13 +28,14 @@ LEAVE_FIRST_S = 1.0  # how long rank 0 waits for the other ranks to exit before 
 def user_errors_reported() -> Iterator[None]:
     try:
         yield
-    except UserError as e:
+    except (UserError, LostRankError) as e:
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        everyone = not (dist.is_available() and dist.is_initialized())
+        reporter = e.reporter if isinstance(e, LostRankError) else rank == 0
+        everyone = isinstance(e, UserError) and not (dist.is_available() and dist.is_initialized())
         if everyone and rank != 0:
             sys.exit(0)  # rank 0 reports the problem every rank found
         message = f"fsdptrain: {e}" if everyone or world_size == 1 else f"fsdptrain (rank {rank}): {e}"
-        if rank == 0 or not under_torchrun():
+        if reporter or not under_torchrun():
             print(message, file=sys.stderr, flush=True)
         write_error_file(message)
         if everyone and world_size > 1:

@@ -4,6 +4,7 @@ of a step's phases, and what happens at the end of a step (log, bar, checkpoint 
 trainer calls these with the sections of its own config."""
 
 import os
+import re
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -22,7 +23,8 @@ from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_direct
 from fsdptrain.config.shared import FSDPConfig, LanguageModelConfig, LoRASettings, ModelConfig, OptimConfig, TrainerConfig
 from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
-from fsdptrain.errors import ConfigError
+from fsdptrain.distributed.roll_call import roll_call
+from fsdptrain.errors import ConfigError, LostRankError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
 from fsdptrain.models.liger import apply_liger_kernels
 from fsdptrain.models.loading import build_model
@@ -165,21 +167,25 @@ def open_run(
     return Run(parallel, trained, optimizer, scheduler, checkpoints, logger, bar, trainer, total_steps, step)
 
 
-class LostRankError(RuntimeError):
-    """A collective waited its whole timeout for a rank that never joined it."""
+PEER_LOST = ("timed out", "closed by peer", "reset by peer", "broken pipe", "connection refused")  # gloo's and the store's words
 
 
 @contextmanager
 def lost_ranks_named(run: Run, timeout_s: float, key: str) -> Iterator[None]:
-    """Around the step loop: a collective that timed out (a rank gone or stuck without the launcher noticing) ends
-    the run with an error naming the step, the collective and the timeout's key, not a bare transport message."""
+    """Around the step loop: a collective that failed for a rank gone (its connection closed) or stuck (the wait
+    timed out) ends the run with one message naming the step, the collective, the ranks that did not answer a
+    roll call and the timeout's key, not a transport message per rank."""
     try:
         yield
     except RuntimeError as e:
-        if "timed out" not in str(e).lower():
+        if not any(words in str(e).lower() for words in PEER_LOST):
             raise
-        raise LostRankError(f"step {run.step + 1}: {collective_of(e)} waited {timeout_s:g} s ({key}) for a rank that never joined it "
-                            f"(gone, or stuck); {str(e).splitlines()[0]}") from e
+        where = collective_of(e)
+        dist.destroy_process_group()  # its connections close: peers still waiting on this rank fail now, not at their timeout
+        call = roll_call()
+        transport = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0]  # gloo's source line and advice cut
+        raise LostRankError(f"step {run.step + 1}: {where} failed: {call.describe()}. Collectives wait {timeout_s:g} s for every rank "
+                            f"({key}). Transport: {transport}", call.reporter) from e
 
 
 def collective_of(error: BaseException) -> str:
