@@ -2,21 +2,27 @@
 # SmolLM2-135M-Instruct made better at addition on this machine, end to end: set-up, the model as a Hugging Face
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
 # the SFT and GRPO models evaluated on the held-out test split, side by side, with GRPO's gain over SFT on the
-# same problems. 13 to 23 minutes on 2 CPU cores, by the CPU (docs/results.md has the sizes' results on three seeds).
+# same problems. On 2 CPU cores: 13 to 16 minutes where the CPU computes bf16 natively, about 30 where it does not
+# (docs/results.md has the results on three seeds of each).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
-# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS (prompts per step, 40),
-# GRPO_LR (5e-6), TEST_ROWS (600), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default
-# bf16 where the machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where
-# bf16 is emulated: `python -m fsdptrain.dtypes` says which), and GRPO_ARGS: more overrides for the GRPO trainer.
+# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38 in bf16, 30 in fp32), GRPO_PROMPTS
+# (prompts per step, 40), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process: 64 in bf16, 32 in fp32),
+# TEST_ROWS (600), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
+# machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where bf16 is emulated:
+# `python -m fsdptrain.dtypes` says which), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
-WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
-GRPO_STEPS=${GRPO_STEPS:-38} GRPO_PROMPTS=${GRPO_PROMPTS:-40} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-600}
-NPROC=${NPROC:-2}
 bash scripts/setup.sh smollm2
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
+# fp32 steps take twice as long as native bf16's, and their activations twice the memory: 30 GRPO steps (validated
+# at 0.80 or more on three seeds' validation splits, docs/results.md) keep the run near 30 minutes, and forwards of
+# 32 samples keep the two processes under 12 GB. The gradient is the same whatever the micro-batch.
+if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=30 DEFAULT_MICRO=32; else DEFAULT_STEPS=38 DEFAULT_MICRO=64; fi
+WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
+GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-40} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-600}
+GRPO_MICRO=${GRPO_MICRO:-$DEFAULT_MICRO} NPROC=${NPROC:-2}
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
 python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --seed "$SEED" --operations "$OPERATIONS" \
     --system ""  # an empty system message: SmolLM2's template would add its 16-token default to every prompt
@@ -42,7 +48,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.model.path="$SFT_MODEL" actor_rollout_ref.model.enable_gradient_checkpointing=false \
     actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
     actor_rollout_ref.actor.optim.lr="$GRPO_LR" actor_rollout_ref.actor.ppo_mini_batch_size="$GRPO_PROMPTS" \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 actor_rollout_ref.actor.skip_zero_advantage=true actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$GRPO_MICRO" actor_rollout_ref.actor.skip_zero_advantage=true actor_rollout_ref.rollout.n=8 \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((GRPO_PROMPTS * 8 / NPROC)) \
     trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \

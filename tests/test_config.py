@@ -219,23 +219,30 @@ def test_the_default_vllm_memory_share_fits_the_machine(tp, host_processes, devi
     assert plan_grpo(explicit, machine, pad_id=0).engine.vllm.gpu_memory_utilization == 0.1
 
 
-@pytest.mark.parametrize("flags, device, expected", [
-    ({"avx2", "avx512f", "avx512_bf16"}, "cpu", "bf16"), ({"avx2", "amx_bf16", "amx_tile"}, "cpu", "bf16"), ({"fp", "asimd", "bf16"}, "cpu", "bf16"),
-    ({"avx2", "fma"}, "cpu", "fp32"), ({"avx2", "avx512f"}, "cpu", "fp32"), (set(), "cpu", "fp32"), (set(), "cuda", "bf16"),
-])
-def test_the_machines_dtype_follows_its_cpu_flags(flags, device, expected):
-    """bf16 only where it is computed natively (a GPU; a CPU with AVX512-BF16, AMX or Arm's BF16); a warning where a
-    key asks for bf16 on a CPU that emulates it, and none for fp32 or a native CPU."""
+@pytest.mark.parametrize("flags, capability, isa, device, expected", [
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX512", None, "cpu", "bf16"), ({"avx2", "amx_bf16", "amx_tile"}, "AVX512", "AVX512_CORE_AMX", "cpu", "bf16"),
+    ({"fp", "asimd", "bf16"}, "DEFAULT", None, "cpu", "bf16"), ({"avx2", "fma"}, "AVX2", None, "cpu", "fp32"),
+    ({"avx2", "avx512f"}, "AVX512", None, "cpu", "fp32"), (set(), "DEFAULT", None, "cpu", "fp32"), (set(), "DEFAULT", None, "cuda", "bf16"),
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX2", None, "cpu", "fp32"), ({"avx2", "avx512f", "avx512_bf16"}, "AVX512", "AVX2", "cpu", "fp32"),
+], ids=["avx512-bf16", "amx", "arm-bf16", "avx2", "avx512-no-bf16", "no-flags", "cuda", "held-by-aten", "held-by-onednn"])
+def test_the_machines_dtype_follows_its_cpu_flags(flags, capability, isa, device, expected, monkeypatch):
+    """bf16 only where it is computed natively (a GPU; a CPU with AVX512-BF16, AMX or Arm's BF16, unless torch or
+    oneDNN is held below them, as the AVX2 approximation in docs/results.md holds them); a warning where a key asks
+    for bf16 on a CPU that emulates it, and none for fp32 or a native CPU."""
     import warnings
 
     from fsdptrain.dtypes import machine_dtype, warn_if_emulated
 
-    name, reason = machine_dtype(torch.device(device), flags)
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    name, reason = machine_dtype(torch.device(device), flags, capability)
     assert name == expected and reason
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warn_if_emulated("bf16", "model.fsdp_config.mixed_precision.param_dtype", torch.device(device), flags)
-        warn_if_emulated("fp32", "model.fsdp_config.mixed_precision.param_dtype", torch.device(device), flags)
+        warn_if_emulated("bf16", "model.fsdp_config.mixed_precision.param_dtype", torch.device(device), flags, capability)
+        warn_if_emulated("fp32", "model.fsdp_config.mixed_precision.param_dtype", torch.device(device), flags, capability)
     assert [str(w.message).split(":")[0] for w in caught] == (["model.fsdp_config.mixed_precision.param_dtype=bf16 on a CPU without AVX512-BF16 or AMX"]
                                                               if expected == "fp32" else [])
 
