@@ -14,14 +14,14 @@ from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 def test_a_grpo_run_for_eight_gpus_would_start_with_its_sizes(tiny_llama, rl_data, capsys):  # noqa: F811
     args = grpo_args(tiny_llama, rl_data, "unused", data__train_batch_size=8, actor_rollout_ref__actor__ulysses_sequence_parallel_size=2,
                      trainer__total_training_steps="null", trainer__total_epochs=2, trainer__device="cuda",
-                     actor_rollout_ref__actor__fsdp_config__optimizer_offload="True")
+                     actor_rollout_ref__model__use_fused_kernels="True")
     assert main(["grpo", "--nproc-per-node", "8", *args]) == 0
     out, err = capsys.readouterr()
     assert "the grpo run would start" in out
     assert "data-parallel 4 x sequence-parallel 2, on cuda" in out
     assert "training prompts: 32 (validation: 4); steps: 8" in out  # 2 epochs of 32 // 8
     assert "8 prompts x 4 responses = 32 sequences, 2 prompts a data-parallel rank" in out
-    assert "optimizer_offload=True changes nothing here" in err  # a verl key, named with its reason
+    assert "use_fused_kernels=True changes nothing here" in err  # a verl key, named with its reason
 
 
 def test_every_problem_of_a_command_line_is_named_and_the_exit_is_1(tiny_llama, rl_data, capsys):  # noqa: F811

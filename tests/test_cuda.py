@@ -188,3 +188,28 @@ def test_hf_engine_sleeps_off_the_gpu_and_wakes_unchanged(tiny_llama):
     kept = HFRollout(tiny_llama, torch.device("cuda"), torch.bfloat16, pad_id=0, free_cache_engine=False)
     kept.sleep()
     assert all(t.is_cuda for t in kept.model.state_dict().values())
+
+
+def test_offload_between_phases_frees_the_device_and_trains_the_same(tiny_llama):
+    """verl's param_offload / optimizer_offload (distributed/offload.py): each departure frees the parameter shards'
+    device memory and, once AdamW has state, its two moments'; three steps with the moves equal three without, bit
+    for bit (tests/checks/offload_check.py)."""
+    result = torchrun(1, "tests.checks.offload_check", [tiny_llama])
+    assert "offload check passed" in result.stdout
+
+
+def test_grpo_with_every_offload_key_runs_on_cuda(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    """The actor's, the reference's and the critic's offload keys in a PPO run with a KL loss on CUDA: it trains, and
+    its first step's losses are those of the run without them."""
+    offload = dict(actor_rollout_ref__actor__fsdp_config__param_offload="true", actor_rollout_ref__actor__fsdp_config__optimizer_offload="true",
+                   actor_rollout_ref__ref__fsdp_config__param_offload="true", critic__model__fsdp_config__param_offload="true",
+                   critic__model__fsdp_config__optimizer_offload="true")
+    ppo = dict(algorithm__adv_estimator="gae", actor_rollout_ref__rollout__n=1, actor_rollout_ref__actor__use_kl_loss="true", trainer__device="cuda",
+               actor_rollout_ref__actor__fsdp_config__mixed_precision__param_dtype="fp32", trainer__critic_warmup=0)
+    runs = {}
+    for name, extra in (("plain", {}), ("offloaded", offload)):
+        out = str(tmp_path / name)
+        torchrun(1, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, **ppo, **extra))
+        runs[name] = read_metrics(out)
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
+        assert runs["offloaded"][0][key] == pytest.approx(runs["plain"][0][key], abs=1e-6), key

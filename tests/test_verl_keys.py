@@ -57,9 +57,12 @@ def test_verls_example_loads_with_every_key_accepted_or_mapped(tmp_path, capsys)
     overrides, problems = translate(with_local(script_overrides(EXAMPLE), sizes_and_paths("/models/x", tmp_path, str(tmp_path))), "grpo", 2)
     assert problems == []
     notes = capsys.readouterr().err
-    for key in ("use_fused_kernels", "fused_kernel_options.impl_backend", "optimizer_offload"):
-        assert f"actor_rollout_ref.model.{key}" in notes or f"fsdp_config.{key}" in notes, key
-    assert "actor_rollout_ref.actor.fsdp_config.cpu_offload=False" in overrides and "actor_rollout_ref.ref.fsdp_config.param_offload=True" in overrides
+    for key in ("use_fused_kernels", "fused_kernel_options.impl_backend"):
+        assert f"actor_rollout_ref.model.{key}" in notes, key
+    # verl's offload between phases is fsdptrain's own key, with verl's meaning (distributed/offload.py)
+    for key in ("actor_rollout_ref.actor.fsdp_config.param_offload=False", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+                "actor_rollout_ref.ref.fsdp_config.param_offload=True"):
+        assert key in overrides, key
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
         config = load_grpo_config(compose(config_name="grpo_trainer", overrides=overrides))
     assert config.actor_rollout_ref.rollout.n == 3 and config.actor_rollout_ref.actor.kl_loss_type == "low_var_kl"

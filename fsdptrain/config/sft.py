@@ -70,6 +70,11 @@ def validate_sft_model(model: SFTModelConfig) -> None:
         raise ConfigError(f"model.strategy must be fsdp2 (the only strategy fsdptrain implements), got {model.strategy!r}")
     validate_model(model, "model")
     validate_fsdp(model.fsdp_config, "model.fsdp_config")
+    for key in ("param_offload", "optimizer_offload"):
+        if getattr(model.fsdp_config, key):
+            raise ConfigError(f"model.fsdp_config.{key}=true moves the model off the device between the phases of an RL step; SFT has no "
+                              "phase without its model. To train a model larger than the device, use model.fsdp_config.cpu_offload=true "
+                              "(FSDP2's CPU offload, verl's offload_policy)")
 
 
 @dataclass

@@ -21,7 +21,9 @@ class MixedPrecisionConfig:
 class FSDPConfig:
     model_dtype: str
     mixed_precision: MixedPrecisionConfig
-    cpu_offload: bool
+    cpu_offload: bool  # FSDP2's CPUOffloadPolicy (verl's offload_policy)
+    param_offload: bool  # verl's: the shards in host memory between the phases that use them (distributed/offload.py)
+    optimizer_offload: bool  # verl's: the optimizer state in host memory except during the update
     reshard_after_forward: bool
     fsdp_size: int  # -1: shard over every rank; else over groups of this many, replicated across them (HSDP)
 

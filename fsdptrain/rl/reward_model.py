@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from fsdptrain.data.dataset import Sample
 from fsdptrain.data.micro_batches import MicroBatching, forward_batches, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.offload import PhaseOffload
 from fsdptrain.rl.actor import store_token_values
 from fsdptrain.rl.critic import token_values
 from fsdptrain.rl.data import Prompt
@@ -37,6 +38,7 @@ class RewardModel:
     pad_id: int  # the reward model's
     policy_tokenizer: PreTrainedTokenizerBase
     tokenizer: PreTrainedTokenizerBase | None  # the reward model's own, where it differs from the policy's
+    offload: PhaseOffload  # verl's param_offload: its shards in host memory except during its forward
 
     def token_ids(self, generation: Generation, prompt: Prompt) -> list[int]:
         if self.tokenizer is None:
@@ -56,7 +58,9 @@ class RewardModel:
             # predicts it is the output at the sequence's last token (causal attention: the extra token changes nothing before it).
             samples.append(Sample(torch.tensor([*ids, self.pad_id]), torch.tensor([0] * len(ids) + [1])))
         micro_batches = plan_micro_batches(samples, self.batching, self.parallel)
+        self.offload.params_back()
         for micro_batch, batch in forward_batches(micro_batches, samples[:1], self.packed, self.pad_id, self.parallel):
             scores = token_values(self.model, batch.inputs, batch.targets["labels"], batch.token_rows, None)
             store_token_values(scores, micro_batch, batch, self.packed, self.parallel, "score")
+        self.offload.leave()
         return [float(sample.token_values["score"][-1]) for sample in samples]

@@ -21,6 +21,7 @@ from fsdptrain.config.shared import ModelConfig
 from fsdptrain.data.dataset import Sample, check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
 from fsdptrain.distributed.mesh import Parallel, World, world_from_environment
+from fsdptrain.distributed.offload import PhaseOffload
 from fsdptrain.distributed.reductions import max_over_ranks
 from fsdptrain.errors import ConfigError
 from fsdptrain.logging.profiler import profile_step
@@ -79,12 +80,16 @@ class GRPOStep:
     critic: Critic | None  # PPO's (a critic estimator)
     kl_ctrl: core_algos.KLController | None  # the KL in the reward
     shaping: RewardShaping  # reward normalization and clipping
+    # verl's param_offload / optimizer_offload: what leaves the device while the rollouts are generated (and the
+    # reference between its forwards); every part is back on the device by the step's end
+    actor_offload: PhaseOffload
+    reference_offload: PhaseOffload | None
+    critic_offload: PhaseOffload | None
 
     def __call__(self, timer: StepTimer) -> StepResult:
         plan, parallel = self.plan, self.actor.parallel
         advantage = plan.advantage
-        with timer("gen"):
-            groups, metrics = self.sampler.next_groups()
+        groups, metrics = self.generate(timer)
         generations, ids = flatten(groups)
         group_ids = torch.tensor(ids)
         baselines = None
@@ -92,12 +97,13 @@ class GRPOStep:
             with timer("gen_max"):
                 baselines = torch.tensor(self.sampler.greedy_scores(groups))[group_ids]
         samples = make_samples(generations, plan.mask_truncated_completions)
+        self.actor_offload.params_back()
         metrics.update(self.old_log_probs(samples, generations, timer))
         if self.reference is not None:
-            with timer("ref"), adapters_disabled(self.reference):
-                compute_log_probs(self.reference, samples, plan.ref_batching, self.actor.forward, parallel, "ref_log_prob")
+            self.reference_log_probs(samples, timer)
         if self.critic is not None:
             with timer("values"):
+                self.critic_offload.params_back()
                 self.critic.values(samples)
         with timer("reward"):
             self.sampler.wait_for_scores(groups)
@@ -118,8 +124,10 @@ class GRPOStep:
                 put_token_values(samples, generations, [g.mask * float(s["acc"] > 0) for g, s in zip(generations, scored)], "sft")
         if self.critic is not None:
             with timer("update_critic"):
+                self.critic_offload.optimizer_back()
                 metrics.update(critic_metrics(samples, generations, parallel))
                 metrics.update(self.critic.update(samples))
+        self.actor_offload.optimizer_back()
         if timer.step > plan.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.actor.update(samples, first_pass_is_old=plan.one_pass))
@@ -135,6 +143,22 @@ class GRPOStep:
         if plan.multi_turn is not None:
             metrics.update(multi_turn_metrics(generations, parallel))
         return StepResult(groups, response_advantages, metrics)
+
+    def generate(self, timer: StepTimer) -> tuple[list, dict[str, float]]:
+        """The step's groups and the sampler's metrics; the actor's and critic's offloaded parts wait in host memory."""
+        with timer("gen"):
+            self.actor_offload.leave()
+            if self.critic_offload is not None:
+                self.critic_offload.leave()
+            return self.sampler.next_groups()
+
+    def reference_log_probs(self, samples: list[Sample], timer: StepTimer) -> None:
+        with timer("ref"), adapters_disabled(self.reference):
+            if self.reference_offload is not None:
+                self.reference_offload.params_back()
+            compute_log_probs(self.reference, samples, self.plan.ref_batching, self.actor.forward, self.actor.parallel, "ref_log_prob")
+            if self.reference_offload is not None:
+                self.reference_offload.leave()
 
     def old_log_probs(self, samples: list[Sample], generations: list[Generation], timer: StepTimer) -> dict[str, float]:
         """The old policy's log-probs on the samples: the engine's (bypass), or a pass of their own, with the
@@ -342,13 +366,13 @@ def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer)
     if hf_config.num_labels != 1:
         raise ConfigError(f"reward_model.model.path={settings.model.path!r} has {hf_config.num_labels} labels: a reward model has one")
     tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
-    actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
-    fsdp = type(actor_fsdp)(**{**vars(actor_fsdp), "cpu_offload": settings.model.fsdp_config.param_offload})
-    model = build_sharded_model(settings.model.path, model_config, fsdp, hf_config, trainer, parallel, settings.model.use_remove_padding,
-                                trainable=False, auto_class=AutoModelForTokenClassification)
+    model = build_sharded_model(settings.model.path, model_config, config.actor_rollout_ref.actor.fsdp_config, hf_config, trainer, parallel,
+                                settings.model.use_remove_padding, trainable=False, auto_class=AutoModelForTokenClassification)
+    offload = PhaseOffload(model, None, settings.model.fsdp_config.param_offload, False, parallel.device)
+    offload.leave()
     batching = MicroBatching(settings.micro_batch_size_per_gpu, False, None, "reward_model.micro_batch_size_per_gpu", "", "")
     return RewardModel(model, parallel, batching, settings.model.use_remove_padding, tokenizer.pad_token_id, policy_tokenizer,
-                       None if same_tokenizer(tokenizer, policy_tokenizer) else tokenizer)
+                       None if same_tokenizer(tokenizer, policy_tokenizer) else tokenizer, offload)
 
 
 def build_critic(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, total_steps: int, vocabulary: int) -> Critic:
@@ -377,15 +401,21 @@ def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, hf_config, train: l
     parallel, trainer, model = run.parallel, config.trainer, config.actor_rollout_ref.model
     policy = PolicyActor(run.model, run.optimizer, run.scheduler, parallel, plan.forward, plan.loss, plan.update, plan.update_batching,
                          plan.log_prob_batching)
-    reference = None
+    actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
+    actor_offload = PhaseOffload(run.model, run.optimizer, actor_fsdp.param_offload, actor_fsdp.optimizer_offload, parallel.device)
+    reference, reference_offload = None, None
     if plan.needs_reference and has_adapters(run.model):
         reference = run.model  # the policy with its adapters switched off: no second model
     elif plan.needs_reference:
-        actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
-        ref_fsdp = type(actor_fsdp)(**{**vars(actor_fsdp), "cpu_offload": config.actor_rollout_ref.ref.fsdp_config.param_offload})
-        reference = build_sharded_model(model.path, model, ref_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
+        reference = build_sharded_model(model.path, model, actor_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
+        reference_offload = PhaseOffload(reference, None, config.actor_rollout_ref.ref.fsdp_config.param_offload, False, parallel.device)
+        reference_offload.leave()
+    critic_offload = None
+    if critic is not None:
+        critic_fsdp = config.critic.model.fsdp_config
+        critic_offload = PhaseOffload(critic.model, critic.optimizer, critic_fsdp.param_offload, critic_fsdp.optimizer_offload, parallel.device)
     engine = build_rollout(plan.engine_name, plan.engine)
     sampler = GroupSampler(train, config.data.train_batch_size, config.data.shuffle, trainer.seed, engine,
                            engine_index(parallel.rank, plan.engine.tensor_parallel_size), plan.request, scorer, parallel, plan.filter_metric,
                            plan.max_gen_batches, cursor, score_later=plan.score_later)
-    return GRPOStep(plan, policy, reference, engine, sampler, critic, kl_ctrl, shaping)
+    return GRPOStep(plan, policy, reference, engine, sampler, critic, kl_ctrl, shaping, actor_offload, reference_offload, critic_offload)
