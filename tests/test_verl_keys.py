@@ -20,7 +20,7 @@ from test_agent import tool_model  # noqa: F401  (a fixture)
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.sft import load_sft_config
-from fsdptrain.config.verl_keys import TABLE, entry_of, off_values, translate, verl_table
+from fsdptrain.config.verl_keys import TABLE, entry_of, key_states, off_values, translate, verl_table
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.agent.tools import load_tools
 
@@ -153,6 +153,42 @@ def test_verl_keys_refuse_and_rename_as_the_table_says():
     assert (overrides, problems) == (["actor_rollout_ref.actor.optim.lr_scheduler=cosine", "trainer.max_ckpt_to_keep=2"], [])
     overrides, problems = translate(["optim.warmup_steps_ratio=0.05", "trainer.resume_path=/ckpt"], "sft", 1)
     assert overrides == ["optim.lr_warmup_steps_ratio=0.05"] and "trainer.resume_from_path" in problems[0]
+
+
+@pytest.mark.parametrize("trainer, keys", [("grpo", "verl-0.9.0/ppo_trainer_keys.txt"), ("sft", "verl-0.9.0/sft_trainer_keys.txt"),
+                                           ("grpo", "ppo_trainer_keys.txt"), ("sft", "sft_trainer_keys.txt")])
+def test_every_key_of_verls_configs_has_a_state(trainer, keys):
+    """Every leaf key of verl 0.9.0's configs (and of the older ones the seed scripts were written for) is
+    fsdptrain's own, or mapped, accepted with its reason, refused with what to use instead, or the launch shape."""
+    keys = [line.strip() for line in (EXAMPLES / keys).read_text().splitlines() if line.strip() and not line.startswith("#")]
+    states = {key: state for key, (_, state, _, _) in zip(keys, key_states([f"{key}=1" for key in keys], trainer))}
+    assert [key for key, state in states.items() if state == "unknown"] == []
+    assert {"key", "mapped", "accepted", "refused"} <= set(states.values()) | {"left off"}
+
+
+def test_the_table_names_each_key_once():
+    """A key written twice in verl_keys.yaml would silently keep only its last entry."""
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        keys = [loader.construct_object(key, deep=deep) for key, _ in node.value]
+        assert len(keys) == len(set(keys)), sorted({k for k in keys if keys.count(k) > 1})
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    yaml.load(open(TABLE), StrictLoader)
+
+
+def test_the_generated_docs_section_is_current():
+    """docs/from_verl.md's table of the keys its hand-written tables leave out is what scripts/verl_keys_doc.py
+    writes from the table now."""
+    import verl_keys_doc
+
+    page = verl_keys_doc.PAGE.read_text()
+    head, _, rest = page.partition(verl_keys_doc.BEGIN)
+    written, _, tail = rest.partition(verl_keys_doc.END)
+    assert verl_keys_doc.BEGIN + written + verl_keys_doc.END == verl_keys_doc.section(head + tail), "run python scripts/verl_keys_doc.py"
 
 
 def test_the_docs_table_lists_every_key():

@@ -44,11 +44,16 @@ def known_keys(trainer: str) -> tuple[set[str], set[str]]:
 
 
 def entry_of(key: str, table: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The table's entry for `key` or for the nearest key above it."""
+    """The table's entry for `key` or for the nearest key above it; at each level a key of the table itself comes
+    before a pattern, whose `*` stands for any one part (`*.profiler` for actor_rollout_ref.actor.profiler)."""
     parts = key.split(".")
+    patterns = [(name, name.split(".")) for name in table if "*" in name]
     for end in range(len(parts), 0, -1):
         if ".".join(parts[:end]) in table:
             return table[".".join(parts[:end])]
+        for name, pattern in patterns:
+            if len(pattern) == end and all(p in ("*", part) for p, part in zip(pattern, parts)):
+                return table[name]
     return None
 
 

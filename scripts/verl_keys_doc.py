@@ -1,0 +1,56 @@
+"""Write the table of verl 0.9's keys that docs/from_verl.md's hand-written tables do not name, from
+fsdptrain/config/verl_keys.yaml (one row a reason, its keys together), between the page's markers.
+
+    python scripts/verl_keys_doc.py          # rewrites the section in place
+"""
+
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "from_verl.md"
+TABLE = REPO / "fsdptrain" / "config" / "verl_keys.yaml"
+BEGIN, END = "<!-- verl_keys_doc.py: begin -->", "<!-- verl_keys_doc.py: end -->"
+
+
+def as_yaml(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def state(entry: dict) -> tuple[str, str]:
+    if "mapped" in entry:
+        return "mapped", f"`{entry['mapped']}`"
+    if "accepted" in entry:
+        return "accepted", " ".join(str(entry["accepted"]).split())
+    if "refused" in entry:
+        unless = entry.get("unless")
+        off = ", ".join(f"`{as_yaml(v)}`" for v in (unless if isinstance(unless, list) else [unless]))
+        return (f"refused unless {off}" if "unless" in entry else "refused"), " ".join(str(entry["refused"]).split())
+    if entry.get("world_size"):
+        return "world size", "checked against torchrun's world size"
+    return "value mapped", " ".join(str(entry.get("reason", "")).split())
+
+
+def section(hand_written: str) -> str:
+    lines = [BEGIN, "", "The rest of verl 0.9's keys (a `*` stands for any one part of a key; a key covers every key under it):", ""]
+    for trainer, entries in yaml.safe_load(TABLE.read_text()).items():
+        rows: dict[tuple[str, str], list[str]] = {}
+        for key, entry in entries.items():
+            if f"`{key}`" not in hand_written:
+                rows.setdefault(state(entry), []).append(key)
+        lines += [f"**{'GRPO' if trainer == 'grpo' else 'SFT'}**", "", "| verl keys | state | here |", "|---|---|---|"]
+        lines += [f"| {', '.join(f'`{k}`' for k in keys)} | {name} | {why} |" for (name, why), keys in rows.items()]
+        lines.append("")
+    return "\n".join([*lines, END])
+
+
+def main() -> None:
+    page = PAGE.read_text()
+    head, _, rest = page.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    PAGE.write_text(head + section(head + tail) + tail)
+
+
+if __name__ == "__main__":
+    main()
