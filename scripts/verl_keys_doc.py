@@ -19,6 +19,12 @@ def as_yaml(value) -> str:
 
 
 def state(entry: dict) -> tuple[str, str]:
+    name, why = plain_state(entry)
+    implied = ", ".join(f"`{k}`" for k in entry.get("implies", []))
+    return name, f"{why}; sets {implied} unless the command line sets it" if implied else why
+
+
+def plain_state(entry: dict) -> tuple[str, str]:
     if "mapped" in entry:
         return "mapped", f"`{entry['mapped']}`"
     if "accepted" in entry:

@@ -32,9 +32,12 @@ EXAMPLE = EXAMPLES / "run_qwen3-1.7b.sh"
 
 
 def script_overrides(path: Path) -> list[str]:
-    """The key=value arguments of a verl launch script, as bash passes them."""
+    """The key=value arguments of a verl launch script, as bash passes them, its `VAR=${VAR:-default}` variables at
+    their defaults."""
     text = path.read_text().replace("\\\n", " ")
-    command = next(line for line in text.splitlines() if "verl.trainer.main_ppo" in line or "verl.trainer.fsdp_sft_trainer" in line)
+    defaults = dict(re.findall(r"^(\w+)=\$\{\w+:-([^}]*)\}$", text, flags=re.MULTILINE))
+    command = next(line for line in text.splitlines() if re.search(r"verl\.trainer\.(main_ppo|fsdp_sft_trainer|sft_trainer)\b", line))
+    command = re.sub(r"\$\{(\w+)\}", lambda m: defaults.get(m.group(1), m.group(0)), command)
     return [word for word in shlex.split(command) if "=" in word and not word.startswith("-")]  # not torchrun's options
 
 
@@ -189,6 +192,20 @@ def test_the_generated_docs_section_is_current():
     head, _, rest = page.partition(verl_keys_doc.BEGIN)
     written, _, tail = rest.partition(verl_keys_doc.END)
     assert verl_keys_doc.BEGIN + written + verl_keys_doc.END == verl_keys_doc.section(head + tail), "run python scripts/verl_keys_doc.py"
+
+
+@pytest.mark.parametrize("name", ["sft_gsm8k_run_qwen2_5_0_5b_fsdp.sh", "sft_multiturn_run_qwen2_5_0_5b_fsdp.sh"])
+def test_verl_09s_sft_examples_load_in_its_new_layout(tmp_path, name):
+    """verl 0.9's SFT examples (verl.trainer.sft_trainer: model.path, engine=fsdp, engine.*, data.messages_key),
+    their launcher, paths and logger changed, load with no problem as multi-turn chat data, as that trainer reads."""
+    local = {"data.train_files": tmp_path / "train.parquet", "data.val_files": tmp_path / "val.parquet", "model.path": "/models/x",
+             "trainer.default_local_dir": tmp_path, "trainer.logger": "[file]"}
+    overrides, problems = translate(with_local(script_overrides(EXAMPLES / "verl-0.9.0" / name), local), "sft", 2)
+    assert problems == []
+    assert "data.multiturn.enable=true" in overrides and "model.partial_pretrain=/models/x" in overrides
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = load_sft_config(compose(config_name="sft_trainer", overrides=overrides))
+    assert config.data.multiturn.enable and config.data.multiturn.messages_key == "messages" and config.use_remove_padding
 
 
 def test_the_docs_table_lists_every_key():

@@ -116,12 +116,16 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
     """The overrides as fsdptrain takes them, and the problems of those it cannot take (unknown keys with the
     closest known one, refused keys with what to use instead, a launch shape that is not the world's): the config's
     loading reports them with its own, all in one error."""
-    kept, problems, shape = [], [], {}
+    kept, problems, shape, implied = [], [], {}, {}
+    table = verl_table(trainer)
     for override, state, meaning, taken in key_states(overrides, trainer):
         key, _, value = override.partition("=")
         key = key.lstrip("+")
         if taken is not None:
             kept.append(taken)
+        if state in ("mapped", "accepted", "left off"):
+            for implication in (entry_of(key, table) or {}).get("implies", []):
+                implied.setdefault(implication.partition("=")[0], (implication, key))
         if state in ("value renamed", "mapped"):
             note(meaning)
         elif state == "accepted":
@@ -132,6 +136,11 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
             problems.append(f"{key}={value}: {meaning}")
         elif state == "launch shape":
             shape[key.rsplit(".", 1)[1]] = hydra_value(value)
+    given = {taken.partition("=")[0].lstrip("+") for taken in kept}
+    for target, (implication, because) in implied.items():
+        if target not in given:  # an explicit value wins
+            kept.append(implication)
+            note(f"{because} is verl's new layout's: {implication}")
     if "nnodes" in shape or "n_gpus_per_node" in shape:
         nodes, per_node = shape.get("nnodes", 1), shape.get("n_gpus_per_node", world_size)
         if not (isinstance(nodes, int) and isinstance(per_node, int)) or nodes * per_node != world_size:
