@@ -139,3 +139,31 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer):
     path = write(tmp_path / "k.parquet", messages=[GOOD])
     (sample,) = load_sft_samples([path], tok, data_config(apply_chat_template_kwargs={"marker": " [kw]"}))
     assert "assistant [kw]" in tok.decode(sample.input_ids)
+
+
+def test_rows_with_images_videos_or_audio_are_refused_whatever_the_keys(tmp_path, tokenizer):
+    """A vision-language dataset (verl's `images` column) trains no text model silently: the file and the first
+    row that carries media are named, for SFT and RL data alike; an all-empty media column is text data."""
+    from fsdptrain.rl.data import load_prompts
+
+    image = [{"bytes": b"\x89PNG", "path": None}]
+    sft = write(tmp_path / "vl.parquet", messages=[GOOD, GOOD], images=[[], image])
+    with pytest.raises(DataError, match=r"vl\.parquet row 1: column 'images' holds media; vision-language and audio data are not supported"):
+        load_sft_samples([sft], tokenizer, data_config())
+    assert len(load_sft_samples([write(tmp_path / "text.parquet", messages=[GOOD], images=[[]])], tokenizer, data_config())) == 1
+    rl = write(tmp_path / "rl_vl.parquet", prompt=[GOOD[:1]], data_source=["x"], ground_truth=["1"], videos=[["clip.mp4"]])
+    with pytest.raises(DataError, match=r"rl_vl\.parquet row 0: column 'videos' holds media"):
+        load_prompts([rl], tokenizer)
+
+
+def test_a_vision_language_model_is_refused_by_its_config(tmp_path):
+    """A model folder whose config has a vision tower (Qwen2-VL's) is refused naming the key and the modality."""
+    from transformers import Qwen2VLConfig
+
+    from fsdptrain.config.shared import ModelConfig
+    from fsdptrain.errors import ConfigError
+    from fsdptrain.models.loading import load_model_config
+
+    Qwen2VLConfig().save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.path=.* is a multimodal model \(qwen2_vl: vision_config\); vision-language and audio models"):
+        load_model_config(str(tmp_path), "model.path", ModelConfig(False, False, "auto"), sp_size=1)

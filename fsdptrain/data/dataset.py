@@ -54,6 +54,20 @@ def check_files_exist(files: dict[str, Sequence[str]]) -> None:
             raise DataError(f"{key}: no such data file: {', '.join(missing)}")
 
 
+MEDIA_COLUMNS = ("images", "image", "videos", "video", "audios", "audio")  # verl's image_key/video_key defaults, and the singulars
+
+
+def refuse_media(table, path: str) -> None:
+    """A data file whose rows carry images, videos or audio is refused, whatever the keys: training on its text
+    alone would be a silently different run."""
+    for name in MEDIA_COLUMNS:
+        if name in table.column_names:
+            row = next((i for i, value in enumerate(table.column(name).to_pylist()) if value not in (None, [], "", {})), None)
+            if row is not None:
+                raise DataError(f"{path} row {row}: column {name!r} holds media; vision-language and audio data are not supported "
+                                "(fsdptrain trains text models on text columns): drop the column or train elsewhere")
+
+
 def _read_columns(path: str, columns: Sequence[str], optional: Sequence[str] = ()) -> dict:
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such data file")
@@ -61,6 +75,7 @@ def _read_columns(path: str, columns: Sequence[str], optional: Sequence[str] = (
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a file that is not parquet
         raise DataError(f"{path}: cannot be read as parquet: {e}") from None
+    refuse_media(table, path)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; the file has {table.column_names}")

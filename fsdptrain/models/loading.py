@@ -38,6 +38,10 @@ def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: in
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{path_key}={path!r} is not a Hugging Face model folder (no config.json)")
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    media = [name for name in ("vision_config", "audio_config", "visual", "vision_tower") if getattr(hf_config, name, None) is not None]
+    if media:
+        raise ConfigError(f"{path_key}={path!r} is a multimodal model ({hf_config.model_type}: {', '.join(media)}); vision-language and "
+                          "audio models are not supported: train a text model")
     if hf_config.num_attention_heads % sp_size:
         raise ConfigError(
             f"ulysses_sequence_parallel_size ({sp_size}) must divide the model's num_attention_heads "

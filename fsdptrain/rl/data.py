@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.data.chat import RowError, normalize_messages, render
-from fsdptrain.data.dataset import DataError
+from fsdptrain.data.dataset import DataError, refuse_media
 
 
 @dataclass
@@ -58,6 +58,7 @@ def load_prompts(
             raise DataError(f"{path}: no such data file") from None
         except Exception as e:  # pyarrow raises several types for a file that is not parquet
             raise DataError(f"{path}: cannot be read as parquet: {e}") from None
+        refuse_media(table, path)
         names = table.column_names
         missing = [c for c in ("prompt", "data_source") if c not in names]
         if "reward_model" not in names and "ground_truth" not in names:
