@@ -22,6 +22,7 @@ from fsdptrain.trainer.grpo_plan import read_grpo_config
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tests" / "verl_examples" / "verl-0.9.0"))  # launch_arguments
 
 import demo_data  # noqa: E402  (scripts/ is not a package)
 import make_tiny  # noqa: E402

@@ -229,6 +229,7 @@ def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
 @dataclass
 class RefFSDPConfig:
     param_offload: bool
+    cpu_offload: bool
 
 
 @dataclass

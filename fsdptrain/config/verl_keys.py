@@ -89,7 +89,8 @@ def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[s
     renamed = renames.get(str(hydra_value(value)))
     if renamed is not None:
         return "value renamed", f"{key}={value} is {key}={renamed} here: {' '.join(str(entry['reason']).split())}", f"{key}={renamed}"
-    if key in leaves or any(leaf.startswith(key + ".") for leaf in leaves) or any(key.startswith(m + ".") for m in open_mappings):
+    known_section = key not in table and any(leaf.startswith(key + ".") for leaf in leaves)  # `optim=fsdp` picks verl's config group
+    if key in leaves or known_section or any(key.startswith(m + ".") for m in open_mappings):
         return "key", "", f"{key}={value}"
     if entry is None:
         close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)

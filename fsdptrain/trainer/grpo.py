@@ -366,8 +366,9 @@ def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer)
     if hf_config.num_labels != 1:
         raise ConfigError(f"reward_model.model.path={settings.model.path!r} has {hf_config.num_labels} labels: a reward model has one")
     tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
-    model = build_sharded_model(settings.model.path, model_config, config.actor_rollout_ref.actor.fsdp_config, hf_config, trainer, parallel,
-                                settings.model.use_remove_padding, trainable=False, auto_class=AutoModelForTokenClassification)
+    fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=settings.model.fsdp_config.cpu_offload)
+    model = build_sharded_model(settings.model.path, model_config, fsdp, hf_config, trainer, parallel, settings.model.use_remove_padding,
+                                trainable=False, auto_class=AutoModelForTokenClassification)
     offload = PhaseOffload(model, None, settings.model.fsdp_config.param_offload, False, parallel.device)
     offload.leave()
     batching = MicroBatching(settings.micro_batch_size_per_gpu, False, None, "reward_model.micro_batch_size_per_gpu", "", "")
@@ -407,7 +408,8 @@ def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, hf_config, train: l
     if plan.needs_reference and has_adapters(run.model):
         reference = run.model  # the policy with its adapters switched off: no second model
     elif plan.needs_reference:
-        reference = build_sharded_model(model.path, model, actor_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
+        ref_fsdp = replace(actor_fsdp, cpu_offload=config.actor_rollout_ref.ref.fsdp_config.cpu_offload)
+        reference = build_sharded_model(model.path, model, ref_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
         reference_offload = PhaseOffload(reference, None, config.actor_rollout_ref.ref.fsdp_config.param_offload, False, parallel.device)
         reference_offload.leave()
     critic_offload = None
