@@ -2,8 +2,8 @@
 # SmolLM2-135M-Instruct made better at addition on this machine, end to end: set-up, the model as a Hugging Face
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
 # the SFT and GRPO models evaluated on the held-out test split, side by side, with GRPO's gain over SFT on the
-# same problems. On 2 CPU cores: 13 to 16 minutes where the CPU computes bf16 natively, about 30 where it does not
-# (docs/results.md has the results on three seeds of each).
+# same problems. On 2 CPU cores: 13 to 16 minutes where the CPU computes bf16 natively, about 31 where it does not
+# (docs/results.md has the results).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38 in bf16, 30 in fp32), GRPO_PROMPTS
@@ -16,9 +16,9 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
 bash scripts/setup.sh smollm2
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
-# fp32 steps take twice as long as native bf16's, and their activations twice the memory: 30 GRPO steps (validated
-# at 0.80 or more on three seeds' validation splits, docs/results.md) keep the run near 30 minutes, and forwards of
-# 32 samples keep the two processes under 12 GB. The gradient is the same whatever the micro-batch.
+# fp32 steps take two to three times as long as native bf16's, and their activations twice the memory: 30 GRPO steps
+# (validated at 0.80 or more on three seeds' validation splits, docs/results.md) bring the run near 30 minutes, and
+# forwards of 32 samples hold a process at 5.8 GB, not 7.9. The gradient is the same whatever the micro-batch.
 if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=30 DEFAULT_MICRO=32; else DEFAULT_STEPS=38 DEFAULT_MICRO=64; fi
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
 GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-40} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-600}

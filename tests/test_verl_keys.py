@@ -350,3 +350,61 @@ def test_verls_multi_turn_example_trains_a_step(tmp_path, tool_model):  # noqa: 
     assert float(metrics["multi_turn/tool_calls_per_trajectory"]) > 0
     assert metrics["multi_turn/tool_errors_per_trajectory"] == metrics["multi_turn/tool_calls_per_trajectory"]
     assert "val-core/openai/gsm8k/acc/mean@1" in metrics
+
+
+def v09_example(script: str, model: str, data: Path, out: str, **local) -> list[str]:
+    """A verl 0.9.0 example's arguments, as bash computes them, with the launcher, paths and sizes changed for 2 CPU
+    processes (one rollout engine each)."""
+    positional = ("2", out) if script.startswith("sft/") else ()
+    _, args = launch_arguments(V09_EXAMPLES / script, *positional)
+    sizes = {**sizes_and_paths(model, data, out), "trainer.nnodes": 1, "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 512, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 512,
+             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 512, "trainer.logger": "[console]", "trainer.save_freq": -1}
+    return with_local(args, {**sizes, **local})
+
+
+def console_steps(stdout: str) -> list[tuple[str, str]]:
+    return re.findall(r"^step (\d+) \| (?!plots:)(.*)$", stdout, re.MULTILINE)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the examples roll out with vLLM, which is not installed")
+@pytest.mark.parametrize("script", ["grpo_trainer/run_qwen3_8b_fsdp.sh", "ppo_trainer/run_qwen3_8b_fsdp.sh",
+                                    "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh"], ids=["grpo", "ppo", "reward-model"])
+def test_verl_09s_examples_train_two_steps(tmp_path, tokenizer, rl_data, script):  # noqa: F811
+    """verl 0.9.0's GRPO (KL loss, the reference offloaded between its forwards), PPO (a critic in verl 0.9's
+    critic.fsdp section) and reward-model (verl 0.9's reward.reward_model section) examples as bash computes them,
+    vLLM rollouts, on 2 CPU processes with the launcher, paths and sizes changed: two steps each."""
+    from test_reward_model import save_reward_model
+
+    model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                            num_key_value_heads=1)
+    local = {}
+    if script.startswith("ppo"):
+        local = {"critic.model.path": model, "critic.ppo_max_token_len_per_gpu": 512}
+    if "skyworkrm" in script:
+        local = {"reward.reward_model.model_path": save_reward_model(tmp_path / "rm", tokenizer), "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2}
+    out = str(tmp_path / "run")
+    result = torchrun(2, "fsdptrain.grpo_trainer", v09_example(script, model, rl_data, out, **local))
+    lines = console_steps(result.stdout)
+    assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
+    key = "critic/vf_loss" if script.startswith("ppo") else "critic/score/mean" if "skyworkrm" in script else "actor/kl_loss"
+    assert all(key in line and "actor/pg_loss" in line for _, line in lines), lines
+
+
+@pytest.mark.slow
+def test_verl_09s_new_layout_sft_example_trains_two_steps(tmp_path, tiny_llama):
+    """verl 0.9.0's GSM8K SFT example (verl.trainer.sft_trainer: model.path, engine=fsdp, data.messages_key) as bash
+    computes it, on 2 CPU processes with the launcher, paths and sizes changed: multi-turn chat data, two steps."""
+    import demo_data
+
+    data = tmp_path / "chats.parquet"
+    demo_data.write_chat_parquet(str(data), 16, seed=0)
+    _, args = launch_arguments(V09_EXAMPLES / "sft/gsm8k/run_qwen2_5_0_5b_fsdp.sh", "2", str(tmp_path / "run"))
+    local = {"data.train_files": data, "data.val_files": data, "model.path": tiny_llama, "data.micro_batch_size_per_gpu": 2,
+             "data.train_batch_size": 8, "data.max_length": 256, "trainer.total_training_steps": 2, "trainer.logger": "[console]",
+             "trainer.device": "cpu"}
+    result = torchrun(2, "fsdptrain.sft_trainer", with_local(args, local))
+    assert "data.multiturn.enable=true" in result.stderr
+    assert [int(step) for step, _ in console_steps(result.stdout)] == [1, 2], result.stdout[-3000:]
