@@ -83,9 +83,8 @@ def test_a_lost_node_is_named_and_the_relaunched_nodes_resume_exactly(tmp_path, 
     survivor = logs[nodes.index(numbered[0])]
     survivor.seek(0)
     output = survivor.read()
-    named = f"ranks {', '.join(map(str, lost_ranks))} (node 1 as torchrun numbers them) did not answer a roll call"
-    assert named in output and "(trainer.nccl_timeout)" in output, output[-4000:]
-    assert "fsdptrain (rank 0): step " in output, "the survivors' lowest rank prints it"
+    named = f"ranks {', '.join(map(str, lost_ranks))} (node 1 as torchrun numbers them) stopped beating"
+    assert named in output and "(trainer.nccl_timeout)" in output, output[-4000:]  # printed, and in torchrun's summary
     assert 3 <= latest_checkpoint(out) < STEPS
 
     logs = [open(tmp_path / f"relaunch{i}.log", "w+") for i in range(2)]

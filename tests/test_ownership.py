@@ -93,8 +93,8 @@ def test_one_writer_per_directory_and_a_dead_runs_directory_is_taken_over(tmp_pa
 
 def test_a_stuck_rank_fails_the_run_within_the_timeout_naming_the_step(tmp_path, tiny_llama, chat_data):
     """Rank 1 stops (SIGSTOP: alive, so nothing notices) after step 1; rank 0's next collective gives up after
-    trainer.nccl_timeout and the run fails naming the step, the collective, the key and the rank that did not
-    answer the roll call, without a traceback."""
+    trainer.nccl_timeout and the run fails naming the step, the collective, the key and the rank that
+    stopped beating, without a traceback."""
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "fsdptrain.sft_trainer", *sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=50,
                                                                  trainer__nccl_timeout=5, data__val_files="null")]
@@ -112,7 +112,7 @@ def test_a_stuck_rank_fails_the_run_within_the_timeout_naming_the_step(tmp_path,
         assert time.monotonic() - stopped < 30
         logs[0].seek(0)
         output = logs[0].read()
-        assert "fsdptrain (rank 0): step " in output and "rank 1 did not answer a roll call" in output, output[-3000:]
+        assert "fsdptrain (rank 0): step " in output and "rank 1 stopped beating" in output, output[-3000:]
         assert "Collectives wait 5 s for every rank (trainer.nccl_timeout)" in output and "Traceback" not in output, output[-3000:]
     finally:
         for rank in ranks:

@@ -23,7 +23,7 @@ from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_direct
 from fsdptrain.config.shared import FSDPConfig, LanguageModelConfig, LoRASettings, ModelConfig, OptimConfig, TrainerConfig
 from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
-from fsdptrain.distributed.roll_call import roll_call
+from fsdptrain.distributed.roll_call import roll_call, start_heartbeat
 from fsdptrain.errors import ConfigError, LostRankError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
 from fsdptrain.models.liger import apply_liger_kernels
@@ -37,6 +37,7 @@ def start_run(trainer: TrainerConfig, sp_size: int, timeout_s: float = 1800) -> 
     launcher, quiet the other ranks' library output, seed every generator."""
     die_with_launcher()
     parallel = init_parallel(trainer.device, sp_size, timeout_s)
+    start_heartbeat(parallel.rank, parallel.world_size)
     quiet_non_main(parallel)
     seed_everything(trainer.seed)
     return parallel
@@ -173,8 +174,8 @@ PEER_LOST = ("timed out", "closed by peer", "reset by peer", "broken pipe", "con
 @contextmanager
 def lost_ranks_named(run: Run, timeout_s: float, key: str) -> Iterator[None]:
     """Around the step loop: a collective that failed for a rank gone (its connection closed) or stuck (the wait
-    timed out) ends the run with one message naming the step, the collective, the ranks that did not answer a
-    roll call and the timeout's key, not a transport message per rank."""
+    timed out) ends the run with one message naming the step, the collective, the ranks that stopped beating
+    (distributed/roll_call.py) and the timeout's key, not a transport message per rank."""
     try:
         yield
     except RuntimeError as e:
