@@ -35,9 +35,11 @@ def bf16_is_native(device: torch.device, flags: set[str] | None = None, capabili
     if device.type == "cuda":
         return True
     flags = cpu_flags() if flags is None else flags
-    if not any(flag in flags for flag in BF16_CPU_FLAGS):
-        return False
-    return not ("avx2" in flags and held_below_bf16(capability))
+    return has_bf16_instructions(flags) and not ("avx2" in flags and held_below_bf16(capability))
+
+
+def has_bf16_instructions(flags: set[str]) -> bool:
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
 def held_below_bf16(capability: str | None = None) -> bool:
@@ -54,7 +56,7 @@ def machine_dtype(device: torch.device, flags: set[str] | None = None, capabilit
         return "bf16", "a GPU computes bf16 natively"
     if bf16_is_native(device, flags, capability):
         return "bf16", "this CPU computes bf16 natively (AVX512-BF16, AMX or Arm's BF16)"
-    if any(flag in (cpu_flags() if flags is None else flags) for flag in BF16_CPU_FLAGS):
+    if has_bf16_instructions(cpu_flags() if flags is None else flags):
         return "fp32", ("this CPU has bf16 instructions but torch or oneDNN is held below them (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), "
                         "so bf16 would be emulated, many times slower than fp32")
     return "fp32", "this CPU has neither AVX512-BF16 nor AMX, so bf16 would be emulated, many times slower than fp32"

@@ -12,7 +12,7 @@ class ConfigError(UserError, ValueError):
 
 class LostRankError(Exception):
     """A collective failed because a rank is gone or stuck; the message names the step, the collective and the
-    ranks that did not answer. `reporter`: whether this rank prints it (the lowest rank still there)."""
+    ranks that stopped beating. `reporter`: whether this rank prints it (the lowest rank still beating)."""
 
     def __init__(self, message: str, reporter: bool):
         super().__init__(message)

@@ -6,6 +6,7 @@ Skipped where there is no GPU (CI); run on a GPU machine with `python -m pytest 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_ppo import EVERY_OFFLOAD
 
 from fsdptrain.models import attention
 from fsdptrain.models.loss import chunked_cross_entropy_sum
@@ -201,13 +202,10 @@ def test_offload_between_phases_frees_the_device_and_trains_the_same(tiny_llama)
 def test_grpo_with_every_offload_key_runs_on_cuda(tmp_path, tiny_llama, rl_data):  # noqa: F811
     """The actor's, the reference's and the critic's offload keys in a PPO run with a KL loss on CUDA: it trains, and
     its first step's losses are those of the run without them."""
-    offload = dict(actor_rollout_ref__actor__fsdp_config__param_offload="true", actor_rollout_ref__actor__fsdp_config__optimizer_offload="true",
-                   actor_rollout_ref__ref__fsdp_config__param_offload="true", critic__model__fsdp_config__param_offload="true",
-                   critic__model__fsdp_config__optimizer_offload="true")
     ppo = dict(algorithm__adv_estimator="gae", actor_rollout_ref__rollout__n=1, actor_rollout_ref__actor__use_kl_loss="true", trainer__device="cuda",
                actor_rollout_ref__actor__fsdp_config__mixed_precision__param_dtype="fp32", trainer__critic_warmup=0)
     runs = {}
-    for name, extra in (("plain", {}), ("offloaded", offload)):
+    for name, extra in (("plain", {}), ("offloaded", EVERY_OFFLOAD)):
         out = str(tmp_path / name)
         torchrun(1, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, **ppo, **extra))
         runs[name] = read_metrics(out)

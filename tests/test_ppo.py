@@ -52,6 +52,9 @@ def test_critic_gradients_are_the_same_whatever_the_layout(tmp_path, tiny_llama)
 PPO = dict(algorithm__adv_estimator="gae", algorithm__lam=0.95, actor_rollout_ref__rollout__n=1, data__train_batch_size=8,
            actor_rollout_ref__actor__ppo_mini_batch_size=4, critic__ppo_micro_batch_size_per_gpu=2, critic__optim__lr="1e-3",
            critic__model__enable_gradient_checkpointing="false", trainer__critic_warmup=1, critic__model__fsdp_config__cpu_offload="true")
+EVERY_OFFLOAD = dict(actor_rollout_ref__actor__fsdp_config__param_offload="true", actor_rollout_ref__actor__fsdp_config__optimizer_offload="true",
+                     actor_rollout_ref__ref__fsdp_config__param_offload="true", critic__model__fsdp_config__param_offload="true",
+                     critic__model__fsdp_config__optimizer_offload="true")
 CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr", "critic/values/mean",
                   "critic/values/max", "critic/values/min", "critic/returns/mean", "critic/returns/max", "critic/returns/min",
                   "critic/vf_explained_var", "timing_s/values", "timing_s/update_critic"]
@@ -95,11 +98,8 @@ def test_offload_between_phases_trains_exactly_as_without(tmp_path, tiny_llama, 
     """verl's param_offload / optimizer_offload on the actor, its reference (KL loss) and the critic: on a CPU
     device nothing moves, but every move of a step is made; the metrics are those of the run without them, bit for
     bit. (On a GPU, tests/test_cuda.py shows the device memory released.)"""
-    offload = dict(actor_rollout_ref__actor__fsdp_config__param_offload="true", actor_rollout_ref__actor__fsdp_config__optimizer_offload="true",
-                   actor_rollout_ref__ref__fsdp_config__param_offload="true", critic__model__fsdp_config__param_offload="true",
-                   critic__model__fsdp_config__optimizer_offload="true")
     runs = {}
-    for name, extra in (("plain", {}), ("offloaded", offload)):
+    for name, extra in (("plain", {}), ("offloaded", EVERY_OFFLOAD)):
         out = str(tmp_path / name)
         torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=2, data__val_files="null",
                                                         actor_rollout_ref__actor__use_kl_loss="true", **PPO, **extra))

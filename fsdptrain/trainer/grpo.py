@@ -83,8 +83,8 @@ class GRPOStep:
     # verl's param_offload / optimizer_offload: what leaves the device while the rollouts are generated (and the
     # reference between its forwards); every part is back on the device by the step's end
     actor_offload: PhaseOffload
-    reference_offload: PhaseOffload | None
-    critic_offload: PhaseOffload | None
+    reference_offload: PhaseOffload | None  # with a reference
+    critic_offload: PhaseOffload | None  # with a critic
 
     def __call__(self, timer: StepTimer) -> StepResult:
         plan, parallel = self.plan, self.actor.parallel
@@ -154,11 +154,9 @@ class GRPOStep:
 
     def reference_log_probs(self, samples: list[Sample], timer: StepTimer) -> None:
         with timer("ref"), adapters_disabled(self.reference):
-            if self.reference_offload is not None:
-                self.reference_offload.params_back()
+            self.reference_offload.params_back()
             compute_log_probs(self.reference, samples, self.plan.ref_batching, self.actor.forward, self.actor.parallel, "ref_log_prob")
-            if self.reference_offload is not None:
-                self.reference_offload.leave()
+            self.reference_offload.leave()
 
     def old_log_probs(self, samples: list[Sample], generations: list[Generation], timer: StepTimer) -> dict[str, float]:
         """The old policy's log-probs on the samples: the engine's (bypass), or a pass of their own, with the
@@ -406,7 +404,8 @@ def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, hf_config, train: l
     actor_offload = PhaseOffload(run.model, run.optimizer, actor_fsdp.param_offload, actor_fsdp.optimizer_offload, parallel.device)
     reference, reference_offload = None, None
     if plan.needs_reference and has_adapters(run.model):
-        reference = run.model  # the policy with its adapters switched off: no second model
+        reference = run.model  # the policy with its adapters switched off: no second model, on the device as the actor
+        reference_offload = PhaseOffload(reference, None, False, False, parallel.device)
     elif plan.needs_reference:
         ref_fsdp = replace(actor_fsdp, cpu_offload=config.actor_rollout_ref.ref.fsdp_config.cpu_offload)
         reference = build_sharded_model(model.path, model, ref_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
