@@ -30,21 +30,41 @@ def _key(rank: int) -> str:
     return f"fsdptrain/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
 
 
+_beating: tuple[threading.Thread, threading.Event] | None = None
+
+
 def start_heartbeat(rank: int, world_size: int) -> None:
-    """This rank's beat, in a daemon thread, for the rest of the process (nothing to beat for alone)."""
-    if world_size == 1:
+    """This rank's beat, in a thread of its own, until stop_heartbeat (nothing to beat for alone)."""
+    global _beating
+    if world_size == 1 or _beating is not None:
         return
     store = _store(30.0)
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.add(_key(rank), 1)
             except RuntimeError:  # the store is gone: whoever reads the beats will say so
                 return
-            time.sleep(HEARTBEAT_S)
+            stop.wait(HEARTBEAT_S)
 
-    threading.Thread(target=beat, name="fsdptrain-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="fsdptrain-heartbeat", daemon=True)
+    thread.start()
+    _beating = (thread, stop)
+
+
+def stop_heartbeat() -> None:
+    """End the beat and wait for its thread, before the process group is destroyed: destroyed while the beat's
+    store client lives, the process aborts at exit ("terminate called without an active exception") after a
+    finished run."""
+    global _beating
+    if _beating is None:
+        return
+    thread, stop = _beating
+    stop.set()
+    thread.join(timeout=2 * HEARTBEAT_S)
+    _beating = None
 
 
 @dataclass(frozen=True)

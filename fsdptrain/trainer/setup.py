@@ -23,7 +23,7 @@ from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_direct
 from fsdptrain.config.shared import FSDPConfig, LanguageModelConfig, LoRASettings, ModelConfig, OptimConfig, TrainerConfig
 from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
-from fsdptrain.distributed.roll_call import roll_call, start_heartbeat
+from fsdptrain.distributed.roll_call import roll_call, start_heartbeat, stop_heartbeat
 from fsdptrain.errors import ConfigError, LostRankError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
 from fsdptrain.models.liger import apply_liger_kernels
@@ -125,11 +125,19 @@ class Run:
         dist.barrier()
         if self.parallel.is_main:
             release_run_directory(self.trainer.default_local_dir)
-        if shutdown is not None:
-            shutdown()
-        # Left to interpreter exit, gloo's threads can be torn down while still joinable: an abort after a finished run.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_run(shutdown)
+
+
+def end_run(shutdown: Callable[[], None] | None = None) -> None:
+    """Leave the process group that start_run joined, once every rank is past its last collective; `shutdown` (a
+    rollout engine's) runs in between, and may tear the group down itself. Left to interpreter exit, the group's
+    gloo threads, or the heartbeat's store client alive when the group goes, can be torn down while still joinable:
+    an abort after a finished run."""
+    stop_heartbeat()
+    if shutdown is not None:
+        shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def open_run(

@@ -23,7 +23,7 @@ from fsdptrain.rl.core_algos import LOSS_AGG_MODES
 from fsdptrain.rl.critic import value_backward
 from fsdptrain.trainer.grpo import build_critic
 from fsdptrain.trainer.grpo_plan import critic_batching, plan_grpo
-from fsdptrain.trainer.setup import start_run
+from fsdptrain.trainer.setup import end_run, start_run
 from tests.checks.common import relative_gap, two_groups
 
 CLIP = 0.1
@@ -105,7 +105,7 @@ def main() -> None:
         gap = relative_gap(gradients["token-mean"], reference_gradient(reference, everything))
         assert gap < 5e-6, f"{gap:.2e} of the reference gradient's norm"
         torch.save(gradients, out)
-    torch.distributed.destroy_process_group()
+    end_run()
     print("ok", parallel.rank)
 
 

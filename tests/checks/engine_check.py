@@ -22,7 +22,7 @@ from fsdptrain.distributed.fsdp import full_parameters
 from fsdptrain.dtypes import DTYPES
 from fsdptrain.models.loss import token_log_probs
 from fsdptrain.optim import build_optimizer, clipped_step
-from fsdptrain.trainer.setup import build_sharded_model, start_run
+from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
 
 
 def main() -> None:
@@ -78,7 +78,7 @@ def main() -> None:
         assert gathered.keys() == whole.keys()
         for name, tensor in whole.items():
             assert torch.equal(gathered[name], tensor), (bucket_bytes, name)
-    torch.distributed.destroy_process_group()
+    end_run()
     print("ok", parallel.rank)
 
 

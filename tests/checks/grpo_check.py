@@ -21,7 +21,7 @@ from fsdptrain.models.loading import load_model_config
 from fsdptrain.rl.actor import compute_log_probs, mini_batch_backward
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
 from fsdptrain.trainer.grpo_plan import actor_batching, plan_grpo
-from fsdptrain.trainer.setup import build_sharded_model, start_run
+from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
 from tests.checks.common import relative_gap, two_groups
 
 
@@ -109,7 +109,7 @@ def main() -> None:
         torch.testing.assert_close(sample.token_values["old_log_prob"], log_probs, atol=1e-5, rtol=0)
     if parallel.is_main:
         torch.save(gradients, out)
-    torch.distributed.destroy_process_group()
+    end_run()
     print("ok", parallel.rank)
 
 

@@ -20,7 +20,7 @@ from fsdptrain.data.micro_batches import MicroBatching, collate, plan_micro_batc
 from fsdptrain.models.lora import adapter_weights, adapters_disabled, merged_weights, peft_config
 from fsdptrain.models.loss import token_log_probs
 from fsdptrain.optim import build_optimizer, clipped_step
-from fsdptrain.trainer.setup import build_sharded_model, start_run
+from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
 
 
 def main() -> None:
@@ -87,7 +87,7 @@ def main() -> None:
         ids = torch.randint(3, 1000, (2, 21), generator=g)
         with torch.no_grad():
             torch.testing.assert_close(plain(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
-    torch.distributed.destroy_process_group()
+    end_run()
     print("ok", parallel.rank)
 
 

@@ -20,7 +20,7 @@ from fsdptrain.rl.actor import compute_log_probs
 from fsdptrain.rl.rollout import build_rollout, sync_weights
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.trainer.grpo_plan import actor_batching, plan_grpo
-from fsdptrain.trainer.setup import build_sharded_model, start_run
+from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
 
 
 def main() -> None:
@@ -90,7 +90,7 @@ def main() -> None:
     engine_log_probs(samples)
     assert worst(samples, "after", "engine") < TOLERANCE, worst(samples, "after", "engine")
     print("ok", parallel.rank, worst(samples, "after", "engine"))
-    engine.shutdown()
+    end_run(engine.shutdown)
 
 
 if __name__ == "__main__":
