@@ -1,4 +1,5 @@
-"""`torchrun -m fsdptrain.grpo_trainer key=value ...`: GRPO-family reinforcement learning."""
+"""`torchrun -m fsdptrain.grpo_trainer key=value ...` (or `python -m fsdptrain.grpo_trainer trainer.n_gpus_per_node=N ...`):
+GRPO-family reinforcement learning."""
 
 import sys
 
@@ -6,6 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fsdptrain.config.verl_keys import translate_argv
+from fsdptrain.distributed.spawn import launch_workers_if_asked
 from fsdptrain.trainer.grpo import run_grpo
 from fsdptrain.trainer.grpo_plan import read_grpo_config
 from fsdptrain.trainer.report import user_errors_reported
@@ -20,5 +22,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if (exit_code := launch_workers_if_asked("fsdptrain.grpo_trainer", sys.argv[1:])) is not None:
+        sys.exit(exit_code)
     sys.argv, command_line_problems = translate_argv(sys.argv, "grpo")
     main()

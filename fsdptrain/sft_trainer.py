@@ -1,4 +1,4 @@
-"""`torchrun -m fsdptrain.sft_trainer key=value ...`: supervised fine-tuning."""
+"""`torchrun -m fsdptrain.sft_trainer key=value ...` (or `python -m fsdptrain.sft_trainer trainer.n_gpus_per_node=N ...`): supervised fine-tuning."""
 
 import sys
 
@@ -6,6 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fsdptrain.config.verl_keys import translate_argv
+from fsdptrain.distributed.spawn import launch_workers_if_asked
 from fsdptrain.trainer.report import user_errors_reported
 from fsdptrain.trainer.sft import run_sft
 from fsdptrain.trainer.sft_plan import read_sft_config
@@ -20,5 +21,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if (exit_code := launch_workers_if_asked("fsdptrain.sft_trainer", sys.argv[1:])) is not None:
+        sys.exit(exit_code)
     sys.argv, command_line_problems = translate_argv(sys.argv, "sft")
     main()

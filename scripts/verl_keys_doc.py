@@ -34,7 +34,7 @@ def plain_state(entry: dict) -> tuple[str, str]:
         off = ", ".join(f"`{as_yaml(v)}`" for v in (unless if isinstance(unless, list) else [unless]))
         return (f"refused unless {off}" if "unless" in entry else "refused"), " ".join(str(entry["refused"]).split())
     if entry.get("world_size"):
-        return "world size", "checked against torchrun's world size"
+        return "world size", "checked against torchrun's world size; without torchrun, the trainer starts that many workers (one node)"
     return "value mapped", " ".join(str(entry.get("reason", "")).split())
 
 

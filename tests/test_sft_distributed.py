@@ -1,10 +1,12 @@
 """The real CLI under torchrun (gloo, CPU): the same numbers whatever the layout, and a full short run."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import assert_same_run, hf_weights, losses, read_metrics, run_sft, save_tiny_model
+from conftest import REPO, assert_same_run, hf_weights, losses, read_metrics, run_sft, save_tiny_model, sft_args
 
 SAVE_HF = "[model,optimizer,extra,hf_model]"
 
@@ -34,6 +36,27 @@ def test_layouts_agree_with_balanced_tokens(tmp_path, tiny_llama, chat_data, ref
     out = str(tmp_path)
     run_sft(nproc, tiny_llama, chat_data, out, trainer__checkpoint__save_contents=SAVE_HF, **overrides)
     assert_same_run(out, reference)
+
+
+def test_verls_launch_starts_its_own_workers(tmp_path, tiny_llama, chat_data, reference):
+    """`python -m fsdptrain.sft_trainer trainer.n_gpus_per_node=2`, as verl launches, without torchrun: two workers
+    started by torch's elastic agent in that process (a worker's config check fails unless the world is 2), a dp=2
+    run that trains as one process does."""
+    out = str(tmp_path)
+    args = sft_args(tiny_llama, chat_data, out, data__micro_batch_size_per_gpu=4, data__use_dynamic_bsz="false",
+                    trainer__checkpoint__save_contents=SAVE_HF, trainer__n_gpus_per_node=2)
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.sft_trainer", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(out, reference)
+
+
+def test_several_nodes_are_left_to_torchrun(tmp_path, tiny_llama, chat_data):
+    args = sft_args(tiny_llama, chat_data, str(tmp_path), trainer__nnodes=2, trainer__n_gpus_per_node=2)
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.sft_trainer", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == ["fsdptrain: trainer.nnodes=2: several nodes are launched by torchrun on each, with "
+                                                  "--nnodes=2 --nproc_per_node=2 (docs/multinode.md)"]
 
 
 @pytest.mark.slow

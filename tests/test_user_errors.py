@@ -1,9 +1,12 @@
-"""A user's mistake, under the real torchrun launcher on 2 processes: a configuration with three mistakes, a value
-of the wrong type, a missing data file and a reward function that returns NaN each end the run non-zero with the
-problem printed once by the workers, without a Python traceback of theirs, and named again by torchrun's summary
-(the workers' error file), whose lines end the output."""
+"""A user's mistake on 2 processes: a configuration with three mistakes, a value of the wrong type, a missing data
+file and a reward function that returns NaN each end the run non-zero with the problem printed once by the
+workers, without a Python traceback of theirs. Under the real torchrun launcher, torchrun's summary (its own
+traceback included) names it again from the workers' error file; launched as verl launches
+(`python -m fsdptrain.grpo_trainer trainer.n_gpus_per_node=2`), the whole output is at most 15 lines."""
 
+import re
 import subprocess
+import sys
 
 import pytest
 
@@ -15,8 +18,9 @@ pytestmark = pytest.mark.slow
 NAN_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
 
 
-def launch(module: str, args: list[str]) -> tuple[int, list[str]]:
-    result = subprocess.run(torchrun_cmd(2, module, args), cwd=REPO, capture_output=True, text=True, timeout=300,
+def launch(module: str, args: list[str], launcher: str) -> tuple[int, list[str]]:
+    cmd = torchrun_cmd(2, module, args) if launcher == "torchrun" else [sys.executable, "-m", module, *args, "trainer.n_gpus_per_node=2"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     return result.returncode, [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
 
@@ -27,8 +31,9 @@ def worker_lines(lines: list[str]) -> list[str]:
     return lines[:start]
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "own workers"])
 @pytest.mark.parametrize("case", ["three mistakes", "wrong type", "missing file", "nan reward"])
-def test_a_users_mistake_is_printed_once_without_a_traceback(tmp_path, tiny_llama, rl_data, case):  # noqa: F811
+def test_a_users_mistake_is_printed_once_without_a_traceback(tmp_path, tiny_llama, rl_data, case, launcher):  # noqa: F811
     (tmp_path / "nan.py").write_text(NAN_REWARD)
     module, args, problems = "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, str(tmp_path / "run")), []
     if case == "three mistakes":
@@ -43,11 +48,15 @@ def test_a_users_mistake_is_printed_once_without_a_traceback(tmp_path, tiny_llam
     else:
         args += [f"custom_reward_function.path={tmp_path / 'nan.py'}"]
         problems = ["a finite score is required"]
-    code, lines = launch(module, args)
+    code, lines = launch(module, args, launcher)
     assert code != 0
-    mine = worker_lines(lines)
+    mine = worker_lines(lines) if launcher == "torchrun" else lines
     text = "\n".join(mine)
     assert "Traceback" not in text, text
     for problem in problems:
         assert text.count(problem) == 1, (problem, text)
-    assert any(problems[0] in line for line in lines[len(mine):]), "torchrun's summary does not name the problem"
+    if launcher == "torchrun":
+        assert any(problems[0] in line for line in lines[len(mine):]), "torchrun's summary does not name the problem"
+    else:
+        assert len(lines) <= 15, text
+        assert re.fullmatch(r"fsdptrain: fsdptrain.grpo_trainer stopped: rank [01] exited with code 1", lines[-1]), text

@@ -102,7 +102,7 @@ def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[s
     if "refused" in entry and ("unless" not in entry or hydra_value(value) not in off_values(entry)):
         return "refused", " ".join(str(entry["refused"]).split()), None
     if entry.get("world_size"):
-        return "launch shape", "checked against the number of processes", None
+        return "launch shape", "checked against the number of processes (without torchrun: that many workers started, one node)", None
     return "left off", "a refused feature's key, at a value that asks for nothing unbuilt", None
 
 
