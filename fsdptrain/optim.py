@@ -7,6 +7,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from fsdptrain.config.shared import OptimConfig
+from fsdptrain.models.added_tokens import TrainedRows
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
@@ -45,12 +46,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total
     return LambdaLR(optimizer, lambda step: lr_factor(step, config, total_steps))
 
 
-def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
-    """Clip on the global norm of the sharded gradients and step; a non-finite norm skips the update.
+def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, trained_rows: TrainedRows | None = None) -> tuple[float, bool]:
+    """Clip on the global norm of the sharded gradients and step; a non-finite norm skips the update. With
+    `trained_rows` (freeze_llm), the frozen rows' gradients are dropped before the norm and their values kept
+    through the step.
 
     Returns (grad_norm, applied). The LR schedule is the caller's to advance, once per training step whether or
     not the update was applied (GRPO makes several optimizer steps in one training step).
     """
+    if trained_rows is not None:
+        trained_rows.mask_gradients()
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -58,5 +63,7 @@ def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: f
     applied = math.isfinite(norm)
     if applied:
         optimizer.step()
+        if trained_rows is not None:
+            trained_rows.restore_frozen()
     optimizer.zero_grad(set_to_none=True)
     return norm, applied

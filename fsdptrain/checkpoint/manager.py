@@ -3,7 +3,8 @@
     {root}/latest_checkpointed_iteration.txt   the last complete step, written atomically after the rename
     {root}/global_step_{N}/meta.json            step, contents, world size
                           model/ optimizer/     torch.distributed.checkpoint shards (reshardable)
-                          {companion}/model/ ... a companion's (a PPO critic's) model and optimizer, likewise
+                          {companion}/model/ ... a companion's (a PPO critic's) model and optimizer, likewise;
+                                                a companion without an optimizer (a synced reference) whole
                           extra/                the trainer's state objects (scheduler, data position, ...)
                                                 and config (state.pt), RNG per rank
                           huggingface/          config, tokenizer, and safetensors weights with hf_model
@@ -93,8 +94,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trained_state(model: nn.Module) -> dict[str, Any]:
-    """The model's sharded state without its frozen parameters (a LoRA model's pretrained weights)."""
+def saved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The model's sharded state as a checkpoint holds it: a trained model's without its frozen parameters (a LoRA
+    model's pretrained weights); a model that changes without an optimizer (a synced reference) whole."""
+    if optimizer is None:
+        return get_model_state_dict(model)
     frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
     return {name: value for name, value in get_model_state_dict(model).items() if name not in frozen}
 
@@ -116,8 +120,8 @@ class Stateful(Protocol):
 
 
 class CheckpointManager:
-    """Checkpoints of one trained model and its optimizer, of its `companions` (other trained models with their
-    optimizers, by name: a PPO critic), plus the trainer's `states` (the LR schedules, a data position, a KL
+    """Checkpoints of one trained model and its optimizer, of its `companions` (other models with their optimizers,
+    by name: a PPO critic; or with None, a model that moves untrained: a synced reference), plus the trainer's `states` (the LR schedules, a data position, a KL
     controller: anything with state_dict/load_state_dict), saved by rank 0 under their names. The Hugging Face
     export is the trained model's."""
 
@@ -131,7 +135,7 @@ class CheckpointManager:
         model_dtype: str,
         states: dict[str, Stateful],
         run_config: dict,
-        companions: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
+        companions: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] | None = None,
         lora: LoRASettings | None = None,
         base_model: str | None = None,
     ):
@@ -185,8 +189,8 @@ class CheckpointManager:
         self._run_on_main(prepare)
         for prefix, (model, optimizer) in self.sharded.items():
             if "model" in self.save_contents:
-                self._run_everywhere(partial(dcp.save, trained_state(model), checkpoint_id=os.path.join(tmp, prefix, "model")))
-            if "optimizer" in self.save_contents:
+                self._run_everywhere(partial(dcp.save, saved_state(model, optimizer), checkpoint_id=os.path.join(tmp, prefix, "model")))
+            if "optimizer" in self.save_contents and optimizer is not None:
                 state = get_optimizer_state_dict(model, optimizer)
                 self._run_everywhere(partial(dcp.save, state, checkpoint_id=os.path.join(tmp, prefix, "optimizer")))
         if "extra" in self.save_contents:
@@ -294,7 +298,8 @@ class CheckpointManager:
         companions = sorted(name for name in self.sharded if name)
         if {"model", "optimizer"} & set(self.load_contents) and companions != meta.get("companions", []):
             raise ConfigError(f"checkpoint {path} holds the trained models {['actor', *meta.get('companions', [])]}, this run trains "
-                              f"{['actor', *companions]}: resume a run of the same algorithm (a critic comes with algorithm.adv_estimator=gae)")
+                              f"{['actor', *companions]}: resume a run of the same algorithm (a critic comes with algorithm.adv_estimator=gae, a "
+                              "saved reference with actor_rollout_ref.ref.sync_ref_model=true)")
 
     def resume(self) -> int:
         """Load the checkpoint that resume_mode selects; returns the step to continue from (0 if none)."""
@@ -305,10 +310,10 @@ class CheckpointManager:
         self._check_compatible(path, meta)
         for prefix, (model, optimizer) in self.sharded.items():
             if "model" in self.load_contents:
-                state = trained_state(model)
+                state = saved_state(model, optimizer)
                 dcp.load(state, checkpoint_id=os.path.join(path, prefix, "model"))
                 set_model_state_dict(model, state, options=StateDictOptions(strict=False))
-            if "optimizer" in self.load_contents:
+            if "optimizer" in self.load_contents and optimizer is not None:
                 state = get_optimizer_state_dict(model, optimizer)
                 dcp.load(state, checkpoint_id=os.path.join(path, prefix, "optimizer"))
                 set_optimizer_state_dict(model, optimizer, state)

@@ -236,6 +236,17 @@ class RefFSDPConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int
     fsdp_config: RefFSDPConfig
+    sync_ref_model: bool  # TRL's names: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref
+    ref_model_sync_steps: int
+    ref_model_mixup_alpha: float
+
+
+def validate_ref(ref: RefConfig) -> None:
+    prefix = "actor_rollout_ref.ref"
+    positive(f"{prefix}.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu)
+    positive(f"{prefix}.ref_model_sync_steps", ref.ref_model_sync_steps)
+    if not 0 < ref.ref_model_mixup_alpha <= 1:
+        raise ConfigError(f"{prefix}.ref_model_mixup_alpha must be in (0, 1], got {ref.ref_model_mixup_alpha}")
 
 
 @dataclass
@@ -494,7 +505,7 @@ def own_checks(config: GRPOConfig) -> list[Callable[[], None]]:
         lambda: validate_grpo_trainer(config.trainer),
         lambda: check_adapter_export(config.trainer.checkpoint, model, "actor_rollout_ref.model"),
         lambda: validate_rollout(rollout, actor.ulysses_sequence_parallel_size),
-        lambda: positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
+        lambda: validate_ref(config.actor_rollout_ref.ref),
         lambda: validate_algorithm(config.algorithm),
         lambda: validate_reward_shaping(config.algorithm),
         lambda: validate_reward_model(config.reward_model, data.max_response_length),

@@ -64,6 +64,8 @@ class LanguageModelConfig(ModelConfig):
 
     chunked_loss_tokens: int
     use_liger: bool
+    added_tokens_file: str | None  # tokens the tokenizer and the token matrices gain (models/added_tokens.py)
+    freeze_llm: bool  # MiniOneRec's freeze_LLM: only the added tokens' rows train
     lora_rank: int
     lora_alpha: float
     target_modules: Any
@@ -82,6 +84,10 @@ def validate_model(model: ModelConfig, prefix: str) -> None:
     if isinstance(model, LanguageModelConfig):
         if model.chunked_loss_tokens < 0:
             raise ConfigError(f"{prefix}.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
+        if model.freeze_llm and not model.added_tokens_file:
+            raise ConfigError(f"{prefix}.freeze_llm=true trains the added tokens' rows alone: name them with {prefix}.added_tokens_file")
+        if model.freeze_llm and model.lora_rank:
+            raise ConfigError(f"{prefix}.freeze_llm=true with {prefix}.lora_rank > 0: train the added tokens' rows or adapters, not both")
         validate_lora(model, prefix)
 
 

@@ -6,6 +6,7 @@ Buffers that are not in the state dict (rotary `inv_freq`) are broadcast from ra
 materializing a meta model leaves them uninitialized.
 """
 
+import copy
 import os
 from functools import partial
 from types import MethodType
@@ -24,11 +25,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fsdptrain.config.shared import FSDPConfig, LoRASettings, ModelConfig
+from fsdptrain.config.shared import FSDPConfig, LanguageModelConfig, LoRASettings, ModelConfig
 from fsdptrain.distributed.fsdp import apply_fsdp, embeddings_tied
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.dtypes import DTYPES, compute_dtype
 from fsdptrain.errors import ConfigError
+from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matrices, grow_embeddings
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.lora import add_adapters
 
@@ -106,9 +108,25 @@ def tied_embedding_grad_in_place(model: nn.Module) -> bool:
     return False
 
 
+def load_pretrained(path: str, config: ModelConfig, hf_config: PretrainedConfig, dtype: torch.dtype, auto_class: type,
+                    lora: LoRASettings | None, seed: int, added: AddedTokens | None) -> nn.Module:
+    """The folder's model, whole, as build_model shards it: its token matrices grown for the `added` tokens, with
+    the `lora` adapters."""
+    pretrained_config = hf_config
+    if added is not None:  # the folder's own rows, grown after loading
+        pretrained_config = copy.deepcopy(hf_config)
+        pretrained_config.vocab_size = added.pretrained_rows
+    pretrained = auto_class.from_pretrained(path, config=pretrained_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
+    if added is not None:
+        grow_embeddings(pretrained, hf_config.vocab_size, added.new_ids, added.old_tokens, seed)
+    if lora is not None:
+        add_adapters(pretrained, lora, seed)
+    return pretrained
+
+
 def build_model(
     path: str, config: ModelConfig, fsdp: FSDPConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool, trainable: bool,
-    auto_class: type = AutoModelForCausalLM, lora: LoRASettings | None = None, seed: int = 0,
+    auto_class: type = AutoModelForCausalLM, lora: LoRASettings | None = None, seed: int = 0, added: AddedTokens | None = None,
 ) -> nn.Module:
     """The sharded model with the pretrained weights of `path`, on `parallel.device` (or CPU with offload).
 
@@ -116,7 +134,9 @@ def build_model(
     `fsdp.cpu_offload` its parameters stay in host memory between uses. `auto_class` builds `hf_config` with
     another head (a critic's value head): weights that `path` lacks are initialized by rank 0 and sent to all.
     With `lora`, only the adapters train (initialized from `seed`, see models/lora.py) and the frozen weights are
-    kept in the compute dtype (mixed_precision.param_dtype) rather than model_dtype.
+    kept in the compute dtype (mixed_precision.param_dtype) rather than model_dtype. With `added` tokens, the token
+    matrices have `hf_config.vocab_size` rows, the added tokens' drawn from `seed` (models/added_tokens.py); with
+    a language model's freeze_llm, only those matrices train.
     """
     dtype = DTYPES[fsdp.model_dtype] if lora is None else compute_dtype(fsdp.mixed_precision.param_dtype, parallel.device)
     with torch.device("meta"):
@@ -132,7 +152,9 @@ def build_model(
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    elif config.enable_gradient_checkpointing:  # transformers 5 renamed the method; 4.x has only the old name
+    elif isinstance(config, LanguageModelConfig) and config.freeze_llm:
+        freeze_all_but_token_matrices(model)
+    if trainable and config.enable_gradient_checkpointing:  # transformers 5 renamed the method; 4.x has only the old name
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -140,11 +162,7 @@ def build_model(
     apply_fsdp(model, parallel.sharding_mesh(fsdp.fsdp_size), fsdp, parallel.device)
     model.to_empty(device="cpu" if fsdp.cpu_offload else parallel.device)
 
-    pretrained = None
-    if parallel.is_main:
-        pretrained = auto_class.from_pretrained(path, config=hf_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
-        if lora is not None:
-            add_adapters(pretrained, lora, seed)
+    pretrained = load_pretrained(path, config, hf_config, dtype, auto_class, lora, seed, added) if parallel.is_main else None
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=fsdp.cpu_offload)
     set_model_state_dict(model, pretrained.state_dict() if pretrained is not None else {}, options=options)
     reference_buffers = dict(pretrained.named_buffers()) if pretrained is not None else {}

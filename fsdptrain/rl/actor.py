@@ -19,6 +19,7 @@ from fsdptrain.data.micro_batches import MicroBatch, MicroBatching, forward_batc
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum
 from fsdptrain.distributed.ulysses import gather_sequence
+from fsdptrain.models.added_tokens import TrainedRows
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
 from fsdptrain.optim import clipped_step
 from fsdptrain.rl import core_algos
@@ -196,6 +197,7 @@ class PolicyActor:
     update_settings: UpdateSettings
     micro_batching: MicroBatching  # the update's forward passes
     log_prob_batching: MicroBatching  # the old policy's
+    trained_rows: TrainedRows | None = None  # freeze_llm
 
     def log_probs(self, samples: Sequence[Sample], key: str, with_sum_pi_squared: bool = False) -> None:
         compute_log_probs(self.model, samples, self.log_prob_batching, self.forward, self.parallel, key, with_sum_pi_squared)
@@ -205,11 +207,12 @@ class PolicyActor:
         update's first forward is the old policy (one mini-batch, one epoch)."""
         return run_update(samples, self.update_settings, self.model, self.optimizer, self.scheduler, self.parallel, "actor",
                           lambda mini: mini_batch_backward(self.model, mini, self.micro_batching, self.forward, self.loss, self.parallel,
-                                                           first_pass_is_old))
+                                                           first_pass_is_old), self.trained_rows)
 
 
 def run_update(samples: list[Sample], settings: UpdateSettings, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
-               parallel: Parallel, prefix: str, backward: Callable[[list[Sample]], dict[str, float]]) -> dict[str, float]:
+               parallel: Parallel, prefix: str, backward: Callable[[list[Sample]], dict[str, float]],
+               trained_rows: TrainedRows | None = None) -> dict[str, float]:
     """ppo_epochs passes over the samples' mini-batches, each `backward` (which returns its per-token metric sums
     and their token count) and one clipped optimizer step, then one step of the LR schedule. Returns the metrics
     as token means over every rank under `prefix`, with the gradient norm and the learning rate the update used."""
@@ -224,7 +227,7 @@ def run_update(samples: list[Sample], settings: UpdateSettings, model: nn.Module
             sums = backward([samples[i] for i in sorted(order[first : first + settings.mini_batch_sequences])])
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value
-            norm, applied = clipped_step(model, optimizer, settings.grad_clip)
+            norm, applied = clipped_step(model, optimizer, settings.grad_clip, trained_rows)
             norms.append(norm)
             applied_all &= applied
     scheduler.step()

@@ -25,6 +25,7 @@ from fsdptrain.distributed.offload import PhaseOffload
 from fsdptrain.distributed.reductions import max_over_ranks
 from fsdptrain.errors import ConfigError
 from fsdptrain.logging.profiler import profile_step
+from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.lora import adapters_disabled, has_adapters
 from fsdptrain.optim import build_optimizer, build_scheduler
@@ -37,6 +38,7 @@ from fsdptrain.rl.agent.tools import BaseTool, load_tools, tool_schemas
 from fsdptrain.rl.critic import Critic
 from fsdptrain.rl.data import Prompt, load_prompts
 from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, multi_turn_metrics, plot, source_metrics, step_metrics
+from fsdptrain.rl.reference_sync import mix_policy_into_reference
 from fsdptrain.rl.remote_reward import RemoteReward
 from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
 from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
@@ -137,6 +139,9 @@ class GRPOStep:
                                                  plan.rollout_is_threshold, parallel))
             with timer("update_weights"):
                 self.sync_weights()
+        if plan.reference_sync is not None and plan.reference_sync.due(timer.step):
+            with timer("sync_ref"):
+                mix_policy_into_reference(self.reference, self.actor.model, plan.reference_sync.alpha)
         response_advantages = [float(a[g.mask > 0].mean()) for a, g in zip(advantages, generations)]
         prompts = [g.prompt for g in groups]
         metrics.update(step_metrics(prompts, generations, group_ids, scores, token_rewards, response_advantages, parallel))
@@ -205,6 +210,7 @@ class GRPOInputs:
     train: list[Prompt]
     val: list[Prompt]
     total_steps: int
+    added: AddedTokens | None  # actor_rollout_ref.model.added_tokens_file's
 
 
 def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
@@ -215,6 +221,12 @@ def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
     tools = load_tools(multi_turn.tool_config_path) if plan.multi_turn and multi_turn.tool_config_path else {}
     interactions = load_interactions(multi_turn.interaction_config_path) if plan.multi_turn and multi_turn.interaction_config_path else {}
     hf_config = load_model_config(model_config.path, "actor_rollout_ref.model.path", model_config, plan.sp_size)
+    added = add_model_tokens(model_config, "actor_rollout_ref.model", tokenizer, hf_config)
+    if added is not None and hf_config.vocab_size > added.pretrained_rows:
+        raise ConfigError(f"actor_rollout_ref.model.added_tokens_file: {len(added.new_ids)} tokens are new to "
+                          f"actor_rollout_ref.model.path={model_config.path!r}, past its {added.pretrained_rows} embedding rows, and its "
+                          "rollout engine loads the folder as it is: add them by SFT (model.added_tokens_file) and train GRPO from "
+                          "its export, whose tokenizer and embedding hold them")
     if plan.sequence_length > getattr(hf_config, "max_position_embeddings", plan.sequence_length):
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {plan.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
@@ -222,7 +234,7 @@ def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
     train, val = (load_rl_prompts(config, plan, files, tokenizer, key, tools, interactions)
                   for files, key in ((config.data.train_files, "data.train_files"), (config.data.val_files, "data.val_files")))
     total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "prompts")
-    return GRPOInputs(plan, tokenizer, hf_config, tools, interactions, reward_fn, train, val, total_steps)
+    return GRPOInputs(plan, tokenizer, hf_config, tools, interactions, reward_fn, train, val, total_steps, added)
 
 
 def run_grpo(config: GRPOConfig) -> None:
@@ -242,12 +254,18 @@ def run_grpo(config: GRPOConfig) -> None:
         states["critic_scheduler"] = critic.scheduler
     if algorithm.reward_norm == "running":
         states["reward_norm"] = shaping
+    reference = build_reference(config, plan, parallel, hf_config, inputs.added)
+    companions = {}
+    if critic is not None:
+        companions["critic"] = (critic.model, critic.optimizer)
+    if plan.reference_sync is not None:  # the reference moves: saved and resumed with the run
+        companions["reference"] = (reference, None)
     run = open_run(parallel, trainer, model_config.path, model_config, config.actor_rollout_ref.actor.fsdp_config,
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
-                   run_config=asdict(config), states=states, companions={"critic": (critic.model, critic.optimizer)} if critic is not None else None,
-                   lora=model_config.lora("actor_rollout_ref.model"))
+                   run_config=asdict(config), states=states, companions=companions, lora=model_config.lora("actor_rollout_ref.model"),
+                   added=inputs.added)
     scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(config, parallel, tokenizer))
-    step_once = build_step(config, plan, run, hf_config, train, scorer, cursor, kl_ctrl, shaping, critic)
+    step_once = build_step(config, plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic)
     engine = step_once.engine
     context = LoopContext(engine, tokenizer, plan.multi_turn, inputs.tools, inputs.interactions, config.data.apply_chat_template_kwargs)
     loops = build_loops(context, [*train, *val])
@@ -392,23 +410,34 @@ def build_critic(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, total_s
                   settings.update, settings.update_batching, settings.forward_batching)
 
 
-def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, hf_config, train: list, scorer: Scorer, cursor: PromptCursor,
-               kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None) -> GRPOStep:
-    """The step's parts, built with the plan's settings: the actor on the run's model, the reference, the rollout
-    engine (without weights until the first sync) and the sampler that drives it; the critic comes built (its
-    checkpoint was resumed with the run's)."""
-    parallel, trainer, model = run.parallel, config.trainer, config.actor_rollout_ref.model
+def build_reference(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, hf_config: PretrainedConfig,
+                    added: AddedTokens | None) -> nn.Module | None:
+    """The frozen reference, sharded as the actor (with the `added` tokens' rows the actor starts from), where the
+    KL needs one and LoRA does not give it (the actor's own weights, adapters off); built before the run's
+    checkpoint is resumed, which holds it when it moves."""
+    model = config.actor_rollout_ref.model
+    if not plan.needs_reference or model.lora_rank:
+        return None
+    ref_fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=config.actor_rollout_ref.ref.fsdp_config.cpu_offload)
+    return build_sharded_model(model.path, model, ref_fsdp, hf_config, config.trainer, parallel, model.use_remove_padding, trainable=False,
+                               added=added)
+
+
+def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, reference: nn.Module | None, train: list, scorer: Scorer,
+               cursor: PromptCursor, kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None) -> GRPOStep:
+    """The step's parts, built with the plan's settings: the actor on the run's model, the reference (LoRA's: the
+    actor's model), the rollout engine (without weights until the first sync) and the sampler that drives it; the
+    critic and a standalone reference come built (their checkpoints were resumed with the run's)."""
+    parallel, trainer = run.parallel, config.trainer
     policy = PolicyActor(run.model, run.optimizer, run.scheduler, parallel, plan.forward, plan.loss, plan.update, plan.update_batching,
-                         plan.log_prob_batching)
+                         plan.log_prob_batching, run.trained_rows)
     actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
     actor_offload = PhaseOffload(run.model, run.optimizer, actor_fsdp.param_offload, actor_fsdp.optimizer_offload, parallel.device)
-    reference, reference_offload = None, None
+    reference_offload = None
     if plan.needs_reference and has_adapters(run.model):
         reference = run.model  # the policy with its adapters switched off: no second model, on the device as the actor
         reference_offload = PhaseOffload(reference, None, False, False, parallel.device)
-    elif plan.needs_reference:
-        ref_fsdp = replace(actor_fsdp, cpu_offload=config.actor_rollout_ref.ref.fsdp_config.cpu_offload)
-        reference = build_sharded_model(model.path, model, ref_fsdp, hf_config, trainer, parallel, model.use_remove_padding, trainable=False)
+    elif reference is not None:
         reference_offload = PhaseOffload(reference, None, config.actor_rollout_ref.ref.fsdp_config.param_offload, False, parallel.device)
         reference_offload.leave()
     critic_offload = None

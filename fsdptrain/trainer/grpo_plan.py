@@ -23,6 +23,7 @@ from fsdptrain.rl.agent.loop import AGENT_LOOPS, MultiTurnSettings
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
 from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossSettings
 from fsdptrain.rl.critic import ValueLossSettings
+from fsdptrain.rl.reference_sync import ReferenceSync
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
 from fsdptrain.rl.rollout.vllm import EngineSettings
@@ -54,6 +55,7 @@ class GRPOPlan:
     log_prob_batching: MicroBatching  # the old policy's log-probs
     ref_batching: MicroBatching
     needs_reference: bool  # the KL loss or the KL in the reward
+    reference_sync: ReferenceSync | None  # actor_rollout_ref.ref.sync_ref_model
     engine: EngineSpec
     engine_name: str
     request: RolloutRequest
@@ -259,6 +261,18 @@ def check_reward_model_layout(config: GRPOConfig) -> None:
             raise ConfigError(f"reward_model.launch_reward_fn_async=true cannot score in the background here: {reason}")
 
 
+def check_reference_sync(config: GRPOConfig) -> None:
+    ref, key = config.actor_rollout_ref.ref, "actor_rollout_ref.ref.sync_ref_model=true"
+    if not ref.sync_ref_model:
+        return
+    if not (config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward):
+        raise ConfigError(f"{key} moves the reference, which only the KL uses: set actor_rollout_ref.actor.use_kl_loss=true or "
+                          "algorithm.use_kl_in_reward=true")
+    if config.actor_rollout_ref.model.lora_rank:
+        raise ConfigError(f"{key} with actor_rollout_ref.model.lora_rank > 0: LoRA's reference is the actor's own frozen weights "
+                          "(adapters off), which the adapters train against; a moving reference needs a second model (lora_rank=0)")
+
+
 def check_layout(config: GRPOConfig, world: World) -> None:
     """Sizes that depend on the number of ranks."""
     data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
@@ -311,6 +325,7 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: resolve_reward_function(config),
         lambda: check_reward_model_layout(config),
         lambda: check_decoupled_sources(config),
+        lambda: check_reference_sync(config),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: check_layout(config, world),
     ]
@@ -394,6 +409,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         log_prob_batching=actor_batching(config, rollout.log_prob_micro_batch_size_per_gpu, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
         ref_batching=actor_batching(config, ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
         needs_reference=actor.use_kl_loss or use_kl_in_reward,
+        reference_sync=ReferenceSync(ref.ref_model_sync_steps, ref.ref_model_mixup_alpha) if ref.sync_ref_model else None,
         engine=engine, engine_name=rollout.name,
         request=RolloutRequest(rollout.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, rollout.temperature,
                                rollout.top_p, rollout.top_k, rollout.do_sample, calculate_log_probs=agreement or bypass),

@@ -26,6 +26,7 @@ from fsdptrain.distributed.mesh import Parallel, init_parallel
 from fsdptrain.distributed.roll_call import roll_call, start_heartbeat, stop_heartbeat
 from fsdptrain.errors import ConfigError, LostRankError
 from fsdptrain.logging.metrics import MetricLogger, progress_bar
+from fsdptrain.models.added_tokens import AddedTokens, TrainedRows
 from fsdptrain.models.liger import apply_liger_kernels
 from fsdptrain.models.loading import build_model
 from fsdptrain.optim import build_optimizer, build_scheduler
@@ -76,11 +77,12 @@ def build_sharded_model(
     trainable: bool,
     auto_class: type = AutoModelForCausalLM,
     lora: LoRASettings | None = None,
+    added: AddedTokens | None = None,
 ) -> nn.Module:
     """A sharded model (trained or frozen; a causal LM, or what `auto_class` builds; with `lora`, its adapters
-    trained) with liger's kernels where a language model's `use_liger` asks for them, and the CPU speed-ups that
-    `trainer.cpu_speedups` switches on."""
-    sharded = build_model(path, model, fsdp, hf_config, parallel, packed, trainable, auto_class, lora, trainer.seed)
+    trained; with `added` tokens, its token matrices grown) with liger's kernels where a language model's
+    `use_liger` asks for them, and the CPU speed-ups that `trainer.cpu_speedups` switches on."""
+    sharded = build_model(path, model, fsdp, hf_config, parallel, packed, trainable, auto_class, lora, trainer.seed, added)
     if isinstance(model, LanguageModelConfig) and model.use_liger:
         announce_once(apply_liger_kernels(sharded, parallel.device))
     host_memory = parallel.device.type == "cpu" or fsdp.cpu_offload
@@ -102,6 +104,7 @@ class Run:
     trainer: TrainerConfig
     total_steps: int
     step: int  # the last completed step: 0, or the resumed checkpoint's
+    trained_rows: TrainedRows | None  # freeze_llm: the token rows that train (the optimizer step's business)
 
     def due(self, step: int, every: int) -> bool:
         """Whether something done every `every` steps (-1: never; always at the last step) is done at `step`."""
@@ -153,13 +156,15 @@ def open_run(
     total_steps: int,
     run_config: dict,
     states: dict[str, Stateful] | None = None,
-    companions: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
+    companions: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] | None = None,
     lora: LoRASettings | None = None,
+    added: AddedTokens | None = None,
 ) -> Run:
     """Build the trained model (its `lora` adapters alone, if given), its optimizer and LR schedule, resume the
     checkpoint that trainer.resume_mode selects (with the trainer's own `states` beside the scheduler, and its
-    `companions`: other trained models with their optimizers), and open the logger and progress bar."""
-    trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, packed, trainable=True, lora=lora)
+    `companions`: other models with their optimizers, or None for a model that moves untrained), and open the logger and progress bar."""
+    trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, packed, trainable=True, lora=lora, added=added)
+    trained_rows = TrainedRows(trained, added.ids) if isinstance(model, LanguageModelConfig) and model.freeze_llm else None
     optimizer = build_optimizer(trained, optim)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     checkpoints = CheckpointManager(
@@ -173,7 +178,7 @@ def open_run(
     )
     trained.train()
     bar = progress_bar(total_steps, step, parallel.is_main)
-    return Run(parallel, trained, optimizer, scheduler, checkpoints, logger, bar, trainer, total_steps, step)
+    return Run(parallel, trained, optimizer, scheduler, checkpoints, logger, bar, trainer, total_steps, step, trained_rows)
 
 
 PEER_LOST = ("timed out", "closed by peer", "reset by peer", "broken pipe", "connection refused")  # gloo's and the store's words

@@ -14,6 +14,7 @@ from fsdptrain.data.micro_batches import collate, forward_batches, loss_tokens, 
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks, once_per_sp_group
 from fsdptrain.logging.profiler import profile_step
+from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.optim import clipped_step
@@ -76,6 +77,7 @@ class SFTInputs:
     train: list[Sample]
     val: list[Sample]
     total_steps: int
+    added: AddedTokens | None  # model.added_tokens_file's
 
 
 def read_sft_inputs(config: SFTConfig) -> SFTInputs:
@@ -83,10 +85,11 @@ def read_sft_inputs(config: SFTConfig) -> SFTInputs:
     path = config.model.partial_pretrain
     hf_config = load_model_config(path, "model.partial_pretrain", config.model, config.ulysses_sequence_parallel_size)
     tokenizer = load_tokenizer(path, "model.partial_pretrain", config.model)
+    added = add_model_tokens(config.model, "model", tokenizer, hf_config)
     train = load_sft_samples(config.data.train_files, tokenizer, config.data)
     val = load_sft_samples(config.data.val_files, tokenizer, config.data) if config.data.val_files else []
     total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "samples")
-    return SFTInputs(plan_sft(config), hf_config, tokenizer, train, val, total_steps)
+    return SFTInputs(plan_sft(config), hf_config, tokenizer, train, val, total_steps, added)
 
 
 def run_sft(config: SFTConfig) -> None:
@@ -101,6 +104,7 @@ def run_sft(config: SFTConfig) -> None:
     run = open_run(
         parallel, config.trainer, path, config.model, config.model.fsdp_config, config.optim, hf_config, tokenizer,
         packed=config.use_remove_padding, total_steps=total_steps, run_config=asdict(config), lora=config.model.lora("model"),
+        added=inputs.added,
     )
     model = run.model
     batches, batches_epoch = [], -1
@@ -115,7 +119,7 @@ def run_sft(config: SFTConfig) -> None:
             with profile_step(step == config.trainer.profile_step, step, config.trainer.default_local_dir, parallel.rank), timer("update"):
                 micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
                 local = train_step(model, micro_batches, plan, parallel, tokenizer.pad_token_id)
-                grad_norm, applied = clipped_step(model, run.optimizer, plan.clip_grad)
+                grad_norm, applied = clipped_step(model, run.optimizer, plan.clip_grad, run.trained_rows)
                 run.scheduler.step()
             nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
             elapsed = timer.elapsed()
