@@ -202,6 +202,8 @@ class RolloutConfig:
     load_format: str
     multi_turn: MultiTurnConfig
     agent: AgentConfig
+    beam_search: bool  # MiniOneRec's: each prompt's n responses are its n beams, best first (the hf engine)
+    catalog_file: str | None  # responses constrained to its items (a MiniOneRec index, or one item a line)
 
 
 def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:

@@ -30,22 +30,34 @@ from fsdptrain.errors import ConfigError
 MEAN_RESIZING_SCALE = 1e-9  # transformers' epsilon on the old rows' covariance
 
 
-def read_added_tokens(path: str, key: str) -> list[str]:
-    """The distinct tokens of `path` (a JSON index of item -> tokens, or one token a line), sorted as strings."""
+def read_item_index(path: str, key: str) -> dict[str, list[str]]:
+    """MiniOneRec's `*.index.json`: each item id -> its code tokens."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}={path!r} does not exist")
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}={path!r} is not valid JSON: {e}") from e
+    if not isinstance(index, dict) or not all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in index.values()):
+        raise ConfigError(f"{key}={path!r} must map each item to its list of tokens, as MiniOneRec's *.index.json")
+    return index
+
+
+def read_lines(path: str, key: str) -> list[str]:
+    """The non-blank lines of a text file, stripped."""
     if not os.path.isfile(path):
         raise ConfigError(f"{key}={path!r} does not exist")
     with open(path) as f:
-        text = f.read()
+        return [line.strip() for line in f if line.strip()]
+
+
+def read_added_tokens(path: str, key: str) -> list[str]:
+    """The distinct tokens of `path` (a JSON index of item -> tokens, or one token a line), sorted as strings."""
     if path.endswith(".json"):
-        try:
-            index = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{key}={path!r} is not valid JSON: {e}") from e
-        if not isinstance(index, dict) or not all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in index.values()):
-            raise ConfigError(f"{key}={path!r} must map each item to its list of tokens, as MiniOneRec's *.index.json")
-        tokens = {token for item_tokens in index.values() for token in item_tokens}
+        tokens = {token for item_tokens in read_item_index(path, key).values() for token in item_tokens}
     else:
-        tokens = {line.strip() for line in text.splitlines() if line.strip()}
+        tokens = set(read_lines(path, key))
     if not tokens:
         raise ConfigError(f"{key}={path!r} holds no tokens")
     return sorted(tokens)

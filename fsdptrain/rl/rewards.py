@@ -137,6 +137,33 @@ def turn_scores_verifier(data_source: str, solution: str, ground_truth: Any, ext
     return float(sum((extra_info or {}).get("turn_scores", ())))
 
 
+def item_text(text: str) -> str:
+    """An item as MiniOneRec compares it: quotes, newlines and spaces removed."""
+    return re.sub(r"[\s\"']", "", text)
+
+
+@VERIFIERS.register("item_rule")
+def item_rule_verifier(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """MiniOneRec's `rule`: 1 for the target item (the row's ground truth), else 0."""
+    return float(item_text(solution) == item_text(str(ground_truth)))
+
+
+@VERIFIERS.register("item_ranking")
+def item_ranking_verifier(data_source: str, solution: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """MiniOneRec's `ranking`: `rule` plus, in a group that holds the target, -w_k / sum_j w_j for a wrong response
+    of beam rank k (w_k = 1 / log2(k + 2), over the group's G ranks); 0 beside the target in a group without it.
+    Reads the group from extra_info (`group_responses`, `group_rank`: beam search gives them best first)."""
+    info = extra_info or {}
+    target, group = item_text(str(ground_truth)), [item_text(r) for r in info.get("group_responses", [solution])]
+    rank = info.get("group_rank", 0)
+    if item_text(solution) == target:
+        return 1.0
+    if target not in group:
+        return 0.0
+    weights = [1 / math.log2(k + 2) for k in range(len(group))]
+    return -weights[rank] / sum(weights)
+
+
 def load_reward_function(path: str | None, name: str | None, key: str = "custom_reward_function") -> RewardFn:
     """The user's function `name` from the Python file `path`, or the built-in rules when no path is given; errors
     name the keys under `key`."""
@@ -211,14 +238,20 @@ def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: S
                     group_ids: Sequence[int], where: str) -> list[dict]:
     """Each response's scores (as `score_sample`) with its text (`response`, a multi-turn trajectory's with its
     tool and user turns, as verl decodes it) and the number of tokens the policy generated (`response_length`);
-    response i answers prompts[group_ids[i]], and a trajectory's AgentTrace.reward_info joins the row's
-    `extra_info`. `where` starts the name of a failing sample."""
+    response i answers prompts[group_ids[i]]. The row's `extra_info` gains the response's group (`group_responses`:
+    the texts of its prompt's responses, in rollout order; `group_rank`: its place there, a beam's rank in beam
+    search) and a trajectory's AgentTrace.reward_info. `where` starts the name of a failing sample."""
+    texts = [tokenizer.decode(response.response_ids, skip_special_tokens=True) for response in responses]
+    groups: dict[int, list[str]] = {}
+    for text, group in zip(texts, group_ids, strict=True):
+        groups.setdefault(group, []).append(text)
     scored = []
-    for response, group, place in zip(responses, group_ids, members(group_ids), strict=True):
+    for response, text, group, place in zip(responses, texts, group_ids, members(group_ids), strict=True):
         prompt = prompts[group]
-        text = tokenizer.decode(response.response_ids, skip_special_tokens=True)
         sample = f"{where}prompt {group} ({prompt.data_source}), response {place}"
-        extra_info = prompt.extra_info if response.trace is None else {**prompt.extra_info, **response.trace.reward_info()}
+        extra_info = {**prompt.extra_info, "group_responses": groups[group], "group_rank": place}
+        if response.trace is not None:
+            extra_info.update(response.trace.reward_info())
         scores = score_sample(fn, prompt.data_source, text, prompt.ground_truth, extra_info, sample)
         scored.append({**scores, "response": text, "response_length": response.generated_tokens})
     return scored

@@ -26,6 +26,7 @@ from fsdptrain.rl.critic import ValueLossSettings
 from fsdptrain.rl.reference_sync import ReferenceSync
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
+from fsdptrain.rl.rollout.beams import read_catalog
 from fsdptrain.rl.rollout.vllm import EngineSettings
 from fsdptrain.rl.sampling import FILTER_KEYS, RolloutRequest
 
@@ -273,6 +274,23 @@ def check_reference_sync(config: GRPOConfig) -> None:
                           "(adapters off), which the adapters train against; a moving reference needs a second model (lora_rank=0)")
 
 
+def check_beam_search(config: GRPOConfig) -> None:
+    rollout, key = config.actor_rollout_ref.rollout, f"{ROLLOUT}.beam_search=true"
+    if rollout.catalog_file and not rollout.beam_search:
+        raise ConfigError(f"{ROLLOUT}.catalog_file constrains beam search: set {key} (constrained sampling is not built)")
+    if not rollout.beam_search:
+        return
+    if rollout.name != "hf":
+        raise ConfigError(f"{key} runs on the hf engine: {ROLLOUT}.name={rollout.name} (vLLM's beam search is not wired in)")
+    if rollout.multi_turn.enable:
+        raise ConfigError(f"{key} with {ROLLOUT}.multi_turn.enable=true: beams answer a prompt in one turn")
+    if rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None or bypasses(config):
+        raise ConfigError(f"{key} gives no sampling log-probs (a beam is not sampled): set {ROLLOUT}.calculate_log_probs=false "
+                          "and leave algorithm.rollout_correction off")
+    if rollout.catalog_file:
+        read_catalog(rollout.catalog_file, f"{ROLLOUT}.catalog_file")
+
+
 def check_layout(config: GRPOConfig, world: World) -> None:
     """Sizes that depend on the number of ranks."""
     data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
@@ -326,6 +344,7 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: check_reward_model_layout(config),
         lambda: check_decoupled_sources(config),
         lambda: check_reference_sync(config),
+        lambda: check_beam_search(config),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: check_layout(config, world),
     ]
@@ -383,7 +402,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                           rollout.enforce_eager, rollout.load_format)
     engine = EngineSpec(model.path, compute_dtype(actor.fsdp_config.mixed_precision.param_dtype, world.device), world.device, pad_id,
                         model.trust_remote_code, sequence_length(config), trainer.seed + engine_index(world.rank, rollout.tensor_model_parallel_size),
-                        rollout.tensor_model_parallel_size, rollout.free_cache_engine, vllm)
+                        rollout.tensor_model_parallel_size, rollout.free_cache_engine, vllm, rollout.beam_search, rollout.catalog_file)
     # bypass: the engine's log-probs are the old policy's, so there is nothing to compare them with, and its
     # rollout_is weighs the reinforce loss, not every loss
     rollout_is = None if bypass else correction.rollout_is

@@ -131,6 +131,8 @@ class EngineSpec:
     tensor_parallel_size: int
     free_cache_engine: bool  # sleep between rollouts where the platform can (CUDA), freeing the accelerator for training
     vllm: "EngineSettings"
+    beam_search: bool = False  # rollout.beam_search (the hf engine's): a prompt's n responses are its n beams
+    catalog_file: str | None = None  # rollout.catalog_file: responses constrained to its items (rollout/beams.py)
 
 
 # Each engine's module registers the function that builds it from an EngineSpec (rollout.name selects it).

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     Cache,
     LogitsProcessorList,
     PreTrainedModel,
@@ -19,6 +20,7 @@ from transformers import (
 
 from fsdptrain.models.attention import GROUPED_ATTENTION
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineSpec, Generation
+from fsdptrain.rl.rollout.beams import beam_search, catalog_tree, read_catalog
 
 
 def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
@@ -138,7 +140,7 @@ class HFRollout:
     """The policy's rollout engine: a plain copy of the model on this rank's device, in `dtype`."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False,
-                 free_cache_engine: bool = True):
+                 free_cache_engine: bool = True, beams: bool = False, catalog_file: str | None = None):
         attention = GROUPED_ATTENTION if device.type == "cpu" else "sdpa"
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
@@ -148,9 +150,17 @@ class HFRollout:
         self.sleeps = free_cache_engine and device.type == "cuda"  # on CPU there is nothing to free
         self.parked: dict[str, torch.Tensor] | None = None  # pinned host buffers for the weights, made at the first sleep
         self.asleep = False
+        self.beams = beams  # rollout.beam_search: each prompt's n responses are its n beams (rollout/beams.py)
+        self.catalog = None
+        if catalog_file:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            self.catalog = catalog_tree(read_catalog(catalog_file, "actor_rollout_ref.rollout.catalog_file"), tokenizer, self.end_ids)
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
+        if self.beams:
+            return [Generation(prompt, response, [1] * len(response), None, truncated)
+                    for prompt, response, truncated in beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog)]
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
                         calculate_log_probs)
 
@@ -195,4 +205,5 @@ class HFRollout:
 
 @ROLLOUT_ENGINES.register("hf")
 def build_hf_rollout(spec: EngineSpec) -> HFRollout:
-    return HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine)
+    return HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine, spec.beam_search,
+                     spec.catalog_file)

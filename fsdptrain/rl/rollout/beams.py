@@ -1,0 +1,69 @@
+"""Beam-search rollouts constrained to a catalog (MiniOneRec's generative recommendation): each prompt's group is
+its `n` beams, distinct responses best first (a response's place in its group is its beam rank), found by
+transformers' beam search with no sampling and no length penalty, so that a beam's score is the sum of its
+tokens' log-probs under the full softmax (MiniOneRec's). With a catalog every response is one of its items
+followed by an end token: a prefix tree over the items' token ids allows, at each step, only the tokens that
+continue some item. The trainer's log-probs of the beams are those of the unconstrained softmax, as MiniOneRec
+trains (rollout and update agree: neither renormalizes over the allowed tokens).
+
+`actor_rollout_ref.rollout.catalog_file`: a JSON index (MiniOneRec's `*.index.json`: item id -> its code tokens,
+an item being their concatenation) or a text file, one item a line.
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from fsdptrain.errors import ConfigError
+from fsdptrain.models.added_tokens import read_item_index, read_lines
+
+
+def read_catalog(path: str, key: str) -> list[str]:
+    """The items of a catalog file, in its order, each once."""
+    items = ["".join(tokens) for tokens in read_item_index(path, key).values()] if path.endswith(".json") else read_lines(path, key)
+    if not items:
+        raise ConfigError(f"{key}={path!r} holds no items")
+    return list(dict.fromkeys(items))
+
+
+def catalog_tree(items: Sequence[str], tokenizer: PreTrainedTokenizerBase, end_ids: Sequence[int]) -> dict[tuple[int, ...], list[int]]:
+    """Each prefix of an item's token ids (the empty one included) -> the tokens that may follow it; a whole item
+    is followed by the end tokens."""
+    tree: dict[tuple[int, ...], set[int]] = {}
+    for item in items:
+        ids = tuple(tokenizer(item, add_special_tokens=False)["input_ids"])
+        for length in range(len(ids)):
+            tree.setdefault(ids[:length], set()).add(ids[length])
+        tree.setdefault(ids, set()).update(end_ids)
+    return {prefix: sorted(tokens) for prefix, tokens in tree.items()}
+
+
+def allowed_tokens(tree: dict[tuple[int, ...], list[int]], prompt_width: int, end_ids: Sequence[int]) -> Callable[[int, torch.Tensor], list[int]]:
+    """transformers' prefix_allowed_tokens_fn: a beam's next tokens given its ids (prompt_width prompt tokens, then
+    what it generated); a finished beam (past an end token) may only end again."""
+    ends = list(end_ids)
+
+    def allowed(batch_id: int, ids: torch.Tensor) -> list[int]:
+        return tree.get(tuple(ids[prompt_width:].tolist()), ends)
+
+    return allowed
+
+
+@torch.no_grad()
+def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, end_ids: Sequence[int], pad_id: int,
+                tree: dict[tuple[int, ...], list[int]] | None) -> list[tuple[list[int], list[int], bool]]:
+    """For each prompt, its `n` beams best first: (prompt ids, response ids through the first end token,
+    truncated); one prompt a search (left padding would shift the tree's view of a beam)."""
+    results = []
+    config = GenerationConfig(num_beams=n, num_return_sequences=n, do_sample=False, length_penalty=0.0, early_stopping=True,
+                              max_new_tokens=max_new_tokens, eos_token_id=list(end_ids), pad_token_id=pad_id)
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt], device=model.device)
+        constraint = allowed_tokens(tree, len(prompt), end_ids) if tree is not None else None
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                                prefix_allowed_tokens_fn=constraint)
+        for row in output[:, len(prompt):].tolist():
+            end = next((i for i, token in enumerate(row) if token in end_ids), None)
+            results.append((list(prompt), row if end is None else row[: end + 1], end is None))
+    return results

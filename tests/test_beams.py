@@ -1,0 +1,122 @@
+"""MiniOneRec's beam-search rollouts over a catalog (actor_rollout_ref.rollout.beam_search, catalog_file) and its
+`rule` / `ranking` rewards (the item_rule and item_ranking verifiers): the hf engine's beams against transformers'
+own beam search with a prefix constraint written here, the ranking penalties against the brief's hand-worked
+figures, and a GRPO run through the CLI whose every response is a catalog item."""
+
+import json
+import math
+import os
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fsdptrain.rl.data import Prompt
+from fsdptrain.rl.rewards import item_ranking_verifier, item_rule_verifier, score_responses
+from fsdptrain.rl.rollout.base import Generation
+from fsdptrain.rl.rollout.hf import HFRollout
+
+from conftest import grpo_config_problems, read_metrics, torchrun
+from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+
+ITEMS = ["apple pie", "apple tart", "banana", "cherry jam", "cherry", "date", "elder flower tea", "fig"]
+
+
+def test_the_ranking_penalties_are_the_briefs():
+    """G=16 with the target in the group: the wrong beams at ranks 0..3 get -.164, -.103, -.082, -.071 (the brief's
+    figures, which sum to -1 over all 16 ranks); the target gets the rule's 1; a group without the target, 0."""
+    group = [f"item{k}" for k in range(16)]
+    group[5] = "target"
+    scores = [item_ranking_verifier("rec", response, "target", {"group_responses": group, "group_rank": k}) for k, response in enumerate(group)]
+    assert [round(s, 3) for s in scores[:4]] == [-0.164, -0.103, -0.082, -0.071]
+    assert scores[5] == 1.0
+    assert sum(s for k, s in enumerate(scores) if k != 5) == pytest.approx(-1 + 1 / math.log2(7) / sum(1 / math.log2(k + 2) for k in range(16)))
+    missing = [f"item{k}" for k in range(16)]
+    assert all(item_ranking_verifier("rec", r, "target", {"group_responses": missing, "group_rank": k}) == 0 for k, r in enumerate(missing))
+    assert item_rule_verifier("rec", ' "<a_1><b_2>"\n', "<a_1><b_2>") == 1.0 and item_rule_verifier("rec", "<a_1>", "<a_1><b_2>") == 0.0
+
+
+def test_a_responses_group_reaches_its_reward(tokenizer):
+    """score_responses gives each reward its group's texts in rollout order and its place there."""
+    texts = ["banana", "fig", "date", "fig"]
+    responses = [Generation([1], tokenizer(t, add_special_tokens=False)["input_ids"], [1], None, False) for t in texts]
+    prompts = [Prompt([1], [], "rec", "fig"), Prompt([1], [], "rec", "banana")]
+    seen = []
+
+    def reward(data_source, solution, ground_truth, extra_info):
+        seen.append((extra_info["group_responses"], extra_info["group_rank"]))
+        return item_ranking_verifier(data_source, solution, ground_truth, extra_info)
+
+    scores = score_responses(reward, tokenizer, prompts, responses, [0, 0, 1, 1], "test: ")
+    assert seen == [(["banana", "fig"], 0), (["banana", "fig"], 1), (["date", "fig"], 0), (["date", "fig"], 1)]
+    weights = [1, 1 / math.log2(3)]
+    assert [s["score"] for s in scores] == pytest.approx([-1 / sum(weights), 1.0, 0.0, 0.0])
+
+
+@pytest.fixture(scope="module")
+def catalog_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("catalog") / "items.txt"
+    path.write_text("\n".join(ITEMS) + "\n")
+    return str(path)
+
+
+def test_the_engines_beams_are_transformers_constrained_beam_search(tiny_llama, catalog_file):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    engine = HFRollout(tiny_llama, torch.device("cpu"), torch.float32, tokenizer.pad_token_id, beams=True, catalog_file=catalog_file)
+    prompts = [tokenizer(text)["input_ids"] for text in ("Recommend something sweet:", "Next item, please")]
+    generations = engine.generate(prompts, n=4, max_new_tokens=8, batch_size=8)
+    assert [g.prompt_ids for g in generations] == [p for p in prompts for _ in range(4)]
+    # The reference: transformers' beam search, constrained by a tree written here from the items' token ids.
+    end = tokenizer.eos_token_id
+    sequences = [tokenizer(item, add_special_tokens=False)["input_ids"] + [end] for item in ITEMS]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    for k, prompt in enumerate(prompts):
+        width = len(prompt)
+
+        def allowed(batch_id, ids, width=width):
+            done = ids[width:].tolist()
+            following = {s[len(done)] for s in sequences if len(s) > len(done) and s[: len(done)] == done}
+            return sorted(following) or [end]
+
+        output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), num_beams=4,
+                                num_return_sequences=4, do_sample=False, length_penalty=0.0, early_stopping=True, max_new_tokens=8,
+                                eos_token_id=end, pad_token_id=tokenizer.pad_token_id, prefix_allowed_tokens_fn=allowed)
+        expected = [row[: row.index(end) + 1] for row in output[:, len(prompt):].tolist()]
+        mine = [g.response_ids for g in generations[4 * k : 4 * k + 4]]
+        assert mine == expected
+        assert all(ids in sequences for ids in mine) and len({tuple(ids) for ids in mine}) == 4  # distinct catalog items
+
+
+def test_beam_settings_that_cannot_work_are_refused(catalog_file):
+    assert "catalog_file constrains beam search" in grpo_config_problems(f"actor_rollout_ref.rollout.catalog_file={catalog_file}")
+    assert "runs on the hf engine" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true", "actor_rollout_ref.rollout.name=vllm")
+    assert "gives no sampling log-probs" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true",
+                                                                 "actor_rollout_ref.rollout.calculate_log_probs=true")
+    assert "no_such.txt' does not exist" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true",
+                                                                 "actor_rollout_ref.rollout.catalog_file=no_such.txt")
+
+
+@pytest.mark.slow
+def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    """The arithmetic prompts, the catalog their answers and some distractors, the ranking reward alone: every
+    response of every group is a catalog item and an end token, each group's 4 beams distinct."""
+    answers = sorted({str(row["reward_model"]["ground_truth"]) for split in ("train", "val")
+                      for row in pq.read_table(rl_data / f"rl_{split}.parquet").to_pylist()})
+    catalog = tmp_path / "answers.txt"
+    catalog.write_text("\n".join([*answers, "0", "1", "2", "3"]) + "\n")
+    out = str(tmp_path / "run")
+    sources = '[{name:ranking,function:item_ranking,weight:1.0}]'
+    args = grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__rollout__beam_search="true", actor_rollout_ref__rollout__catalog_file=str(catalog),
+                     custom_reward_function__path="null", reward__sources=sources, trainer__rollout_data_dir=f"{out}/rollouts", data__val_files="null")
+    torchrun(2, "fsdptrain.grpo_trainer", args)
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    items = {tuple(tokenizer(item, add_special_tokens=False)["input_ids"]) for item in catalog.read_text().split()}
+    for step in (1, 2):
+        rows = [json.loads(line) for line in open(os.path.join(out, "rollouts", f"{step}.jsonl"))]
+        assert len(rows) == 16
+        for row in rows:
+            assert tuple(row["response_ids"][:-1]) in items and row["response_ids"][-1] == tokenizer.eos_token_id, row["response_ids"]
+        for first in range(0, 16, 4):
+            assert len({tuple(r["response_ids"]) for r in rows[first : first + 4]}) == 4
