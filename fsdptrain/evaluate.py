@@ -10,6 +10,12 @@ binomial standard error, mean score, mean response length in tokens, and how man
 --max-new-tokens without ending. `--out` writes one JSON line per response (prompt, response, scores).
 With `--tool-config` (verl's tool YAML) the model answers over several turns, calling those tools, within
 --max-new-tokens in all, as the GRPO trainer's multi-turn rollouts do.
+
+Recommendation (MiniOneRec's evaluation): `--beams K [--catalog ITEMS]` answers each prompt with its K beams, best
+first, constrained to the catalog's items (rl/rollout/beams.py; the hf backend), and prints HR@K and NDCG@K (one
+relevant item: the row's ground truth) for K in 1, 5, 10 up to the beams, with standard errors over the prompts
+(each response scored by the item_rule verifier unless custom_reward_function.path is given);
+`--paired-with OTHER.jsonl` (another model's --out on the same file) adds this model's paired differences.
 """
 
 import argparse
@@ -24,16 +30,17 @@ from fsdptrain.dtypes import DTYPES, compute_dtype, warn_if_emulated
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, LoopContext, MultiTurnSettings
 from fsdptrain.rl.agent.tools import load_tools, tool_schemas
 from fsdptrain.rl.data import load_prompts
-from fsdptrain.rl.rewards import load_reward_function, score_responses
+from fsdptrain.rl.rewards import VERIFIERS, load_reward_function, score_responses
 from fsdptrain.rl.rollout.base import RolloutEngine
 from fsdptrain.rl.rollout.hf import HFRollout
 from fsdptrain.rl.sampling import RolloutRequest
-from fsdptrain.rl.validation import evaluate, summarize
+from fsdptrain.rl.validation import RANKING_KS, evaluate, mean_and_se, ranking_values, summarize
 
 
 def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBase, max_model_len: int, seed: int, device: torch.device,
-                 dtype: torch.dtype) -> RolloutEngine:
-    """One process's engine on `device`: transformers' generate, or vLLM (`backend`)."""
+                 dtype: torch.dtype, beams: bool = False, catalog: str | None = None) -> RolloutEngine:
+    """One process's engine on `device`: transformers' generate (with `beams`, beam search, constrained to the
+    `catalog`'s items), or vLLM (`backend`)."""
     if backend == "vllm":
         from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
 
@@ -41,10 +48,11 @@ def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBas
                                   enable_chunked_prefill=True, enforce_eager=True, load_format="auto")
         return VLLMRollout(model_dir, dtype, max_model_len, seed, settings, distributed=False, free_cache_engine=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFRollout(model_dir, device, dtype, pad, free_cache_engine=False)
+    return HFRollout(model_dir, device, dtype, pad, free_cache_engine=False, beams=beams, catalog_file=catalog)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], dict[str, str | None]]:
+    """The flags, the data files, and the trainer keys given as key=value."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir")
     parser.add_argument("data", nargs="+", help="RL parquet file(s) in verl's layout")
@@ -59,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summary", help="JSON of the per-data_source figures printed in the table")
     parser.add_argument("--tool-config", help="verl's tool YAML: answer over several turns with these tools")
     parser.add_argument("--max-turns", type=int, help="assistant turns at most, with --tool-config (default: as the budget holds)")
+    parser.add_argument("--beams", type=int, help="answer with this many beams, best first, and report HR@K and NDCG@K")
+    parser.add_argument("--catalog", help="with --beams: constrain every response to this file's items (a MiniOneRec index, or one a line)")
+    parser.add_argument("--paired-with", help="with --beams: another model's --out on the same prompts, for paired differences")
     args = parser.parse_intermixed_args(argv)
     keys = {"custom_reward_function.path": None, "custom_reward_function.name": None, "data.apply_chat_template_kwargs": "{}"}
     files = []
@@ -74,7 +85,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no data file given")
     if args.n < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         parser.error("--n, --max-new-tokens and --batch-size must be >= 1")
+    if args.beams is not None and (args.beams < 1 or args.backend != "hf" or args.tool_config):
+        parser.error("--beams must be >= 1, on the hf backend, without --tool-config")
+    if (args.catalog or args.paired_with) and args.beams is None:
+        parser.error("--catalog and --paired-with go with --beams")
+    return args, files, keys
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, files, keys = parse_arguments(argv)
     reward_fn = load_reward_function(keys["custom_reward_function.path"], keys["custom_reward_function.name"])
+    if args.beams is not None and not keys["custom_reward_function.path"]:
+        reward_fn = VERIFIERS["item_rule"]  # a recommendation's answer is right when it is the row's item
     transformers.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -84,17 +106,40 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warn_if_emulated(args.dtype, "--dtype", device)
     engine = build_engine(args.backend, args.model_dir, tokenizer, max(len(p.ids) for p in prompts) + args.max_new_tokens, args.seed,
-                          device, compute_dtype(args.dtype, device))
+                          device, compute_dtype(args.dtype, device), args.beams is not None, args.catalog)
     settings = MultiTurnSettings(args.max_turns, max_user_turns=None, max_parallel_calls=1, max_tool_response_length=256,
                                  tool_response_truncate_side="middle", format="hermes", tokenization_sanity_check_mode="disable", tool_timeout_s=30.0)
     name = "tool_agent" if tools else "single_turn_agent"  # every prompt is answered by the loop the flags give
     for prompt in prompts:
         prompt.agent_name = name
     loops = {name: AGENT_LOOPS[name](LoopContext(engine, tokenizer, settings if tools else None, tools, {}, template_kwargs))}
-    request = RolloutRequest(args.n, args.max_new_tokens, args.batch_size, args.temperature or 1.0, top_p=1.0, top_k=-1,
+    request = RolloutRequest(args.beams or args.n, args.max_new_tokens, args.batch_size, args.temperature or 1.0, top_p=1.0, top_k=-1,
                              do_sample=args.temperature > 0, calculate_log_probs=False)
     score = lambda responses, prompts, ids: score_responses(reward_fn, tokenizer, prompts, responses, ids, "")  # noqa: E731
-    report(evaluate(engine, loops, prompts, score, request), args.out, args.summary)
+    records = evaluate(engine, loops, prompts, score, request)
+    report(records, args.out, args.summary)
+    if args.beams is not None:
+        report_ranking(records, [k for k in RANKING_KS if k <= args.beams], args.paired_with)
+
+
+def report_ranking(records: list[dict], ks: list[int], paired_with: str | None) -> None:
+    """HR@K and NDCG@K with their standard errors; with `paired_with` (another model's records of the same prompts),
+    this model's mean difference from it and its paired standard error."""
+    values = ranking_values(records, ks)
+    other = None
+    if paired_with:
+        with open(paired_with) as f:
+            other = ranking_values([json.loads(line) for line in f], ks)
+        if set(other) != set(values):
+            raise SystemExit(f"--paired-with {paired_with}: its prompts are not these ({len(other)} vs {len(values)})")
+    print(f"\n{'metric':<8} {'mean':>7} {'± se':>7}" + (f" {'- other':>8} {'± se':>7}" if other else ""))
+    for name in next(iter(values.values())):
+        mean, se = mean_and_se([v[name] for v in values.values()])
+        line = f"{name:<8} {mean:>7.4f} {se:>7.4f}"
+        if other:
+            gain, gain_se = mean_and_se([values[i][name] - other[i][name] for i in values])
+            line += f" {gain:>+8.4f} {gain_se:>7.4f}"
+        print(line)
 
 
 def report(records: list[dict], out: str | None, summary_path: str | None) -> None:

@@ -6,7 +6,10 @@ figures, and a GRPO run through the CLI whose every response is a catalog item."
 import json
 import math
 import os
+import subprocess
+import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -16,8 +19,9 @@ from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import item_ranking_verifier, item_rule_verifier, score_responses
 from fsdptrain.rl.rollout.base import Generation
 from fsdptrain.rl.rollout.hf import HFRollout
+from fsdptrain.rl.validation import mean_and_se, ranking_values
 
-from conftest import grpo_config_problems, read_metrics, torchrun
+from conftest import REPO, grpo_config_problems, read_metrics, torchrun
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
 
 ITEMS = ["apple pie", "apple tart", "banana", "cherry jam", "cherry", "date", "elder flower tea", "fig"]
@@ -108,9 +112,13 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
     out = str(tmp_path / "run")
     sources = '[{name:ranking,function:item_ranking,weight:1.0}]'
     args = grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__rollout__beam_search="true", actor_rollout_ref__rollout__catalog_file=str(catalog),
-                     custom_reward_function__path="null", reward__sources=sources, trainer__rollout_data_dir=f"{out}/rollouts", data__val_files="null")
+                     custom_reward_function__path="null", reward__sources=sources, trainer__rollout_data_dir=f"{out}/rollouts",
+                     actor_rollout_ref__rollout__val_kwargs__n=4, trainer__test_freq=2)
     torchrun(2, "fsdptrain.grpo_trainer", args)
-    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    # validation searched 4 beams a prompt under the same constraint: HR@1 and NDCG@1 (the cut-offs within 4 beams)
+    assert 0 <= metrics[1]["val-core/arithmetic/hr@1"] == metrics[1]["val-core/arithmetic/ndcg@1"] <= 1
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     items = {tuple(tokenizer(item, add_special_tokens=False)["input_ids"]) for item in catalog.read_text().split()}
     for step in (1, 2):
@@ -120,3 +128,38 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
             assert tuple(row["response_ids"][:-1]) in items and row["response_ids"][-1] == tokenizer.eos_token_id, row["response_ids"]
         for first in range(0, 16, 4):
             assert len({tuple(r["response_ids"]) for r in rows[first : first + 4]}) == 4
+
+
+def test_hit_rate_and_ndcg_are_calc_pys():
+    """The first prompt's item is its third response: HR@1 0, HR@5 1, NDCG@5 1/log2(4); the second's is absent."""
+    records = [{"index": 0, "ground_truth": "fig", "response": r} for r in ("date", "banana", " fig", "cherry")]
+    records += [{"index": 1, "ground_truth": "date", "response": r} for r in ("fig", "banana", "apple pie", "cherry")]
+    values = ranking_values(records, [1, 5])
+    assert values == {0: {"hr@1": 0.0, "ndcg@1": 0.0, "hr@5": 1.0, "ndcg@5": 0.5}, 1: {"hr@1": 0.0, "ndcg@1": 0.0, "hr@5": 0.0, "ndcg@5": 0.0}}
+    assert mean_and_se([values[i]["ndcg@5"] for i in values]) == pytest.approx((0.25, 0.25))
+
+
+@pytest.mark.slow
+def test_evaluate_reports_the_ranking_of_constrained_beams(tmp_path, tiny_llama, catalog_file):
+    """`fsdptrain.evaluate --beams 4 --catalog`: every prompt answered by 4 distinct catalog items, the printed HR@K and
+    NDCG@K those of its answer file, and a paired difference of a model with itself of 0."""
+    rows = [{"prompt": [{"role": "user", "content": f"Recommend item {i}"}], "data_source": "rec",
+             "reward_model": {"style": "rule", "ground_truth": ITEMS[i % len(ITEMS)]}, "extra_info": {"index": i}} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "rec.parquet"))
+    command = [sys.executable, "-m", "fsdptrain.evaluate", tiny_llama, str(tmp_path / "rec.parquet"), "--beams", "4", "--catalog", catalog_file,
+               "--max-new-tokens", "8", "--out", str(tmp_path / "a.jsonl")]
+    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
+    second = subprocess.run([*command[:-1], str(tmp_path / "b.jsonl"), "--paired-with", str(tmp_path / "a.jsonl")], cwd=REPO, capture_output=True,
+                            text=True, check=True)
+    answers = [json.loads(line) for line in open(tmp_path / "a.jsonl")]
+    assert len(answers) == 24
+    for i in range(6):
+        mine = [a["response"] for a in answers if a["index"] == i]
+        assert len(set(mine)) == 4 and set(mine) <= set(ITEMS), mine
+    ranks = [next((r for r, a in enumerate([a for a in answers if a["index"] == i]) if a["response"] == ITEMS[i % len(ITEMS)]), None)
+             for i in range(6)]
+    hits = sum(r is not None and r < 1 for r in ranks) / 6
+    printed = {line.split()[0]: line.split()[1:] for line in first.stdout.splitlines() if line.startswith(("hr@", "ndcg@"))}
+    assert set(printed) == {"hr@1", "ndcg@1"} and float(printed["hr@1"][0]) == pytest.approx(hits, abs=1e-4)
+    paired = {line.split()[0]: line.split()[1:] for line in second.stdout.splitlines() if line.startswith(("hr@", "ndcg@"))}
+    assert float(paired["ndcg@1"][2]) == 0.0 and float(paired["ndcg@1"][3]) == 0.0

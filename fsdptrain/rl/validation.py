@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.rl.data import Prompt
+from fsdptrain.rl.rewards import item_text
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine, group_ids
 from fsdptrain.rl.sampling import RolloutRequest, generate
 
@@ -41,6 +42,41 @@ def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
     return summary
 
 
+RANKING_KS = (1, 5, 10)  # MiniOneRec's calc.py reports these (and more) cut-offs
+
+
+def ranking_values(records: Sequence[dict], ks: Sequence[int]) -> dict[int, dict[str, float]]:
+    """Per prompt (`index`): HR@K and NDCG@K of its responses, in order, as recommendations with one relevant item
+    (its ground truth; MiniOneRec's calc.py): r, the place of the first response that is the item; HR@K = [r < K],
+    NDCG@K = [r < K] / log2(r + 2)."""
+    responses: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        responses[record["index"]].append(record)
+    values = {}
+    for index, rows in responses.items():
+        target = item_text(str(rows[0]["ground_truth"]))
+        rank = next((r for r, row in enumerate(rows) if item_text(row["response"]) == target), math.inf)
+        values[index] = {}
+        for k in ks:
+            values[index][f"hr@{k}"] = float(rank < k)
+            values[index][f"ndcg@{k}"] = 1 / math.log2(rank + 2) if rank < k else 0.0
+    return values
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and its standard error (the sample spread over sqrt(n))."""
+    n = len(values)
+    mean = sum(values) / n
+    variance = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
+    return mean, math.sqrt(variance / n)
+
+
+def ranking_summary(records: Sequence[dict], ks: Sequence[int]) -> dict[str, tuple[float, float]]:
+    """HR@K and NDCG@K over the prompts, each with its standard error."""
+    values = list(ranking_values(records, ks).values())
+    return {name: mean_and_se([v[name] for v in values]) for name in values[0]} if values else {}
+
+
 def evaluate(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[Prompt], score: Score, request: RolloutRequest) -> list[dict]:
     """One record per response of the agent `loops` on a rollout engine (sampling.generate), `request.n` per
     prompt: prompt, response, its scores (a multi-turn trajectory's turns and tool calls)."""
@@ -56,15 +92,23 @@ def evaluate(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[
 
 
 def validate_on_ranks(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[Prompt], score: Score, request: RolloutRequest,
-                      parallel: Parallel) -> dict[str, float]:
+                      parallel: Parallel, ranked: bool = False) -> dict[str, float]:
     """The GRPO trainer's validation: accuracy and mean reward per data_source (verl's `val-core/` metrics), each
-    rank answering a share of the prompts."""
+    rank answering a share of the prompts; `ranked` (beam search: a prompt's responses best first), also HR@K and
+    NDCG@K for the cut-offs of RANKING_KS within the beams."""
     mine = list(prompts[parallel.rank :: parallel.world_size])
     # Every rank calls the engine and the scorer, with or without prompts: a tensor-parallel engine needs all of its
     # ranks, and a reward model's forward passes are collectives.
     records = evaluate(engine, loops, mine, score, request)
+    for record in records:  # a prompt's place in the whole set, so that the gathered records keep prompts apart
+        record["index"] = parallel.rank + record["index"] * parallel.world_size
+    records = gather_lists(records)
     metrics = {}
-    for source, figures in summarize(gather_lists(records)).items():
+    for source, figures in summarize(records).items():
         metrics[f"val-core/{source}/acc/mean@{request.n}"] = figures["acc"]
         metrics[f"val-core/{source}/reward/mean@{request.n}"] = figures["score"]
+    if ranked:
+        for source in {record["data_source"] for record in records}:
+            ranking = ranking_summary([r for r in records if r["data_source"] == source], [k for k in RANKING_KS if k <= request.n])
+            metrics.update({f"val-core/{source}/{name}": mean for name, (mean, _) in ranking.items()})
     return metrics

@@ -276,7 +276,7 @@ def run_grpo(config: GRPOConfig) -> None:
 
     def validate() -> dict[str, float]:
         score = lambda responses, prompts, ids: validation_scorer(responses, prompts, ids, "validation")  # noqa: E731
-        return validate_on_ranks(engine, loops, val, score, plan.validation, parallel)
+        return validate_on_ranks(engine, loops, val, score, plan.validation, parallel, ranked=plan.engine.beam_search)
 
     if val and trainer.val_before_train and run.step == 0:
         run.logger.log(validate(), 0)
