@@ -19,6 +19,7 @@ from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import item_ranking_verifier, item_rule_verifier, score_responses
 from fsdptrain.rl.rollout.base import Generation
 from fsdptrain.rl.rollout.hf import HFRollout
+from fsdptrain.rl.sampling import with_answers
 from fsdptrain.rl.validation import mean_and_se, ranking_values
 
 from conftest import REPO, grpo_config_problems, read_metrics, torchrun
@@ -103,8 +104,9 @@ def test_beam_settings_that_cannot_work_are_refused(catalog_file):
 
 @pytest.mark.slow
 def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_llama, rl_data):  # noqa: F811
-    """The arithmetic prompts, the catalog their answers and some distractors, the ranking reward alone: every
-    response of every group is a catalog item and an end token, each group's 4 beams distinct."""
+    """The arithmetic prompts, the catalog their answers and some distractors, the ranking reward alone, add_gt:
+    every response of every group is a catalog item and an end token, each group's 4 beams distinct and the
+    ground truth among them; validation logs HR@1 and NDCG@1."""
     answers = sorted({str(row["reward_model"]["ground_truth"]) for split in ("train", "val")
                       for row in pq.read_table(rl_data / f"rl_{split}.parquet").to_pylist()})
     catalog = tmp_path / "answers.txt"
@@ -113,7 +115,7 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
     sources = '[{name:ranking,function:item_ranking,weight:1.0}]'
     args = grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__rollout__beam_search="true", actor_rollout_ref__rollout__catalog_file=str(catalog),
                      custom_reward_function__path="null", reward__sources=sources, trainer__rollout_data_dir=f"{out}/rollouts",
-                     actor_rollout_ref__rollout__val_kwargs__n=4, trainer__test_freq=2)
+                     actor_rollout_ref__rollout__val_kwargs__n=4, trainer__test_freq=2, actor_rollout_ref__rollout__add_gt="true")
     torchrun(2, "fsdptrain.grpo_trainer", args)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -127,7 +129,10 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
         for row in rows:
             assert tuple(row["response_ids"][:-1]) in items and row["response_ids"][-1] == tokenizer.eos_token_id, row["response_ids"]
         for first in range(0, 16, 4):
-            assert len({tuple(r["response_ids"]) for r in rows[first : first + 4]}) == 4
+            group = rows[first : first + 4]
+            assert len({tuple(r["response_ids"]) for r in group}) == 4
+            answer = tokenizer(str(group[0]["ground_truth"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            assert answer in [r["response_ids"] for r in group]  # add_gt: the ground truth is in every group
 
 
 def test_hit_rate_and_ndcg_are_calc_pys():
@@ -163,3 +168,12 @@ def test_evaluate_reports_the_ranking_of_constrained_beams(tmp_path, tiny_llama,
     assert set(printed) == {"hr@1", "ndcg@1"} and float(printed["hr@1"][0]) == pytest.approx(hits, abs=1e-4)
     paired = {line.split()[0]: line.split()[1:] for line in second.stdout.splitlines() if line.startswith(("hr@", "ndcg@"))}
     assert float(paired["ndcg@1"][2]) == 0.0 and float(paired["ndcg@1"][3]) == 0.0
+
+
+def test_add_gt_puts_the_answer_in_place_of_a_groups_last_member():
+    generations = [Generation([7], ids, [1] * len(ids), None, False) for ids in ([1, 0], [2, 0], [3, 0], [4, 0])]
+    prompts = [Prompt([7], [], "rec", "a"), Prompt([7], [], "rec", "b")]
+    answers = {"a": [2, 0], "b": [9, 9, 0]}
+    kept = with_answers(generations, prompts, 2, lambda prompt: answers[prompt.ground_truth])
+    assert [g.response_ids for g in kept] == [[1, 0], [2, 0], [3, 0], [9, 9, 0]]
+    assert kept[3].prompt_ids == [7] and kept[3].response_mask == [1, 1, 1] and not kept[3].truncated

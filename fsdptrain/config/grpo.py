@@ -204,6 +204,7 @@ class RolloutConfig:
     agent: AgentConfig
     beam_search: bool  # MiniOneRec's: each prompt's n responses are its n beams, best first (the hf engine)
     catalog_file: str | None  # responses constrained to its items (a MiniOneRec index, or one item a line)
+    add_gt: bool  # MiniOneRec's: a group without its prompt's ground truth holds it in place of its last member
 
 
 def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:

@@ -3,7 +3,7 @@ same seeds after a resume), generated and scored as groups of `n` responses, and
 keeps drawing until enough groups teach something."""
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -110,6 +110,17 @@ def generate(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[
     return generations
 
 
+def with_answers(generations: list[Generation], prompts: Sequence[Prompt], n: int, answer_ids: Callable[[Prompt], list[int]]) -> list[Generation]:
+    """MiniOneRec's add_gt: each group (n in a row) that lacks its prompt's answer (`answer_ids`: the ground truth's
+    tokens and an end token) holds it in place of its last member (in beam search, the lowest-scoring beam)."""
+    generations = list(generations)
+    for i, prompt in enumerate(prompts):
+        answer, group = answer_ids(prompt), generations[i * n : (i + 1) * n]
+        if all(g.response_ids != answer for g in group):
+            generations[(i + 1) * n - 1] = Generation(group[-1].prompt_ids, answer, [1] * len(answer), None, truncated=False)
+    return generations
+
+
 @dataclass
 class GroupSampler:
     """Draws each step's groups: this data-parallel rank's share of the next batch of `batch_size` prompts,
@@ -132,6 +143,7 @@ class GroupSampler:
     # no Ulysses SP, no source with collectives): the groups come unscored, and `wait_for_scores` fills them in.
     score_later: bool = False
     loops: "dict[str, Loop]" = field(default_factory=dict)  # the agent loops on `engine`, by name (rl/agent/loop.py)
+    answer_ids: Callable[[Prompt], list[int]] | None = None  # rollout.add_gt: each group holds its prompt's answer
     worker: ThreadPoolExecutor | None = None
     pending: Future | None = None
 
@@ -152,6 +164,8 @@ class GroupSampler:
         torch.manual_seed(self.seed * 1_000_003 + cursor.batches * parallel.world_size + self.engine_index)
         cursor.batches += 1
         generations = generate(self.engine, self.loops, prompts, request)
+        if self.answer_ids is not None:
+            generations = with_answers(generations, prompts, request.n, self.answer_ids)
         ids, scored = group_ids(len(prompts), request.n), []
         if self.score_later:  # the groups come unscored: `wait_for_scores` fills them in
             self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="fsdptrain-scoring")

@@ -10,6 +10,7 @@ that every loss divides by, the metrics) are summed over the data-parallel group
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -423,6 +424,11 @@ def build_reference(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, hf_c
                                added=added)
 
 
+def answer_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Prompt], list[int]]:
+    """A prompt's answer as a response: its ground truth's tokens and the end token (rollout.add_gt)."""
+    return lambda prompt: tokenizer(str(prompt.ground_truth), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
 def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, reference: nn.Module | None, train: list, scorer: Scorer,
                cursor: PromptCursor, kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None) -> GRPOStep:
     """The step's parts, built with the plan's settings: the actor on the run's model, the reference (LoRA's: the
@@ -447,5 +453,6 @@ def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, reference: nn.Modul
     engine = build_rollout(plan.engine_name, plan.engine)
     sampler = GroupSampler(train, config.data.train_batch_size, config.data.shuffle, trainer.seed, engine,
                            engine_index(parallel.rank, plan.engine.tensor_parallel_size), plan.request, scorer, parallel, plan.filter_metric,
-                           plan.max_gen_batches, cursor, score_later=plan.score_later)
+                           plan.max_gen_batches, cursor, score_later=plan.score_later,
+                           answer_ids=answer_encoder(scorer.tokenizer) if plan.add_ground_truth else None)
     return GRPOStep(plan, policy, reference, engine, sampler, critic, kl_ctrl, shaping, actor_offload, reference_offload, critic_offload)

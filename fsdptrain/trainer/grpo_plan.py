@@ -68,6 +68,7 @@ class GRPOPlan:
     # rollout correction needs its log-probs before the loss; the engine's agreement metrics can then wait for the
     # update's forward, which computes the same log-probs.
     one_pass: bool
+    add_ground_truth: bool  # rollout.add_gt
     old_from_rollout: bool  # the engine's sampling log-probs are the old policy's (rollout correction's bypass mode)
     greedy_baseline: bool  # each prompt is also answered greedily, its score the baseline (ReMax)
     sum_pi_squared: bool  # the old-policy pass also keeps each token's sum of squared probabilities (optimal token baseline)
@@ -276,6 +277,10 @@ def check_reference_sync(config: GRPOConfig) -> None:
 
 def check_beam_search(config: GRPOConfig) -> None:
     rollout, key = config.actor_rollout_ref.rollout, f"{ROLLOUT}.beam_search=true"
+    if rollout.add_gt and (rollout.multi_turn.enable or rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None
+                           or bypasses(config)):
+        raise ConfigError(f"{ROLLOUT}.add_gt=true puts a response no engine sampled into a group: it has no sampling log-probs (leave "
+                          f"{ROLLOUT}.calculate_log_probs=false and algorithm.rollout_correction off) and no turns (multi_turn)")
     if rollout.catalog_file and not rollout.beam_search:
         raise ConfigError(f"{ROLLOUT}.catalog_file constrains beam search: set {key} (constrained sampling is not built)")
     if not rollout.beam_search:
@@ -440,6 +445,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         score_later=config.reward_model.launch_reward_fn_async,
         one_pass=(actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == data.train_batch_size and not use_kl_in_reward
                   and rollout_is is None and not bypass and not optimal_token),
+        add_ground_truth=rollout.add_gt,
         old_from_rollout=bypass,
         greedy_baseline=ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "baseline",
         sum_pi_squared=optimal_token,
