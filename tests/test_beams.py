@@ -76,20 +76,21 @@ def test_the_engines_beams_are_transformers_constrained_beam_search(tiny_llama, 
     end = tokenizer.eos_token_id
     sequences = [tokenizer(item, add_special_tokens=False)["input_ids"] + [end] for item in ITEMS]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    for k, prompt in enumerate(prompts):
-        width = len(prompt)
+    width, pad = max(map(len, prompts)), tokenizer.pad_token_id  # both prompts in one search (batch_size 8 = 2 x 4 beams), left-padded
 
-        def allowed(batch_id, ids, width=width):
-            done = ids[width:].tolist()
-            following = {s[len(done)] for s in sequences if len(s) > len(done) and s[: len(done)] == done}
-            return sorted(following) or [end]
+    def allowed(batch_id, ids):
+        done = ids[width:].tolist()
+        following = {s[len(done)] for s in sequences if len(s) > len(done) and s[: len(done)] == done}
+        return sorted(following) or [end]
 
-        output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), num_beams=4,
-                                num_return_sequences=4, do_sample=False, length_penalty=0.0, early_stopping=True, max_new_tokens=8,
-                                eos_token_id=end, pad_token_id=tokenizer.pad_token_id, prefix_allowed_tokens_fn=allowed)
-        expected = [row[: row.index(end) + 1] for row in output[:, len(prompt):].tolist()]
+    output = model.generate(torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
+                            attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]), num_beams=4,
+                            num_return_sequences=4, do_sample=False, length_penalty=0.0, early_stopping=True, max_new_tokens=8,
+                            eos_token_id=end, pad_token_id=pad, prefix_allowed_tokens_fn=allowed)
+    expected = [row[: row.index(end) + 1] for row in output[:, width:].tolist()]
+    for k in range(2):
         mine = [g.response_ids for g in generations[4 * k : 4 * k + 4]]
-        assert mine == expected
+        assert mine == expected[4 * k : 4 * k + 4]
         assert all(ids in sequences for ids in mine) and len({tuple(ids) for ids in mine}) == 4  # distinct catalog items
 
 

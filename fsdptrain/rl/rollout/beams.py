@@ -52,18 +52,22 @@ def allowed_tokens(tree: dict[tuple[int, ...], list[int]], prompt_width: int, en
 
 @torch.no_grad()
 def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, end_ids: Sequence[int], pad_id: int,
-                tree: dict[tuple[int, ...], list[int]] | None) -> list[tuple[list[int], list[int], bool]]:
+                tree: dict[tuple[int, ...], list[int]] | None, batch_size: int) -> list[tuple[list[int], list[int], bool]]:
     """For each prompt, its `n` beams best first: (prompt ids, response ids through the first end token,
-    truncated); one prompt a search (left padding would shift the tree's view of a beam)."""
+    truncated); batch_size // n prompts a search, left-padded to one width, so that every beam's generated tokens
+    start at the same place."""
     results = []
     config = GenerationConfig(num_beams=n, num_return_sequences=n, do_sample=False, length_penalty=0.0, early_stopping=True,
                               max_new_tokens=max_new_tokens, eos_token_id=list(end_ids), pad_token_id=pad_id)
-    for prompt in prompts:
-        input_ids = torch.tensor([prompt], device=model.device)
-        constraint = allowed_tokens(tree, len(prompt), end_ids) if tree is not None else None
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-                                prefix_allowed_tokens_fn=constraint)
-        for row in output[:, len(prompt):].tolist():
-            end = next((i for i, token in enumerate(row) if token in end_ids), None)
-            results.append((list(prompt), row if end is None else row[: end + 1], end is None))
+    per_search = max(batch_size // n, 1)
+    for first in range(0, len(prompts), per_search):
+        batch = prompts[first : first + per_search]
+        width = max(len(prompt) for prompt in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch], device=model.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        constraint = allowed_tokens(tree, width, end_ids) if tree is not None else None
+        output = model.generate(input_ids, attention_mask=attention_mask, generation_config=config, prefix_allowed_tokens_fn=constraint)
+        for row, ids in enumerate(output[:, width:].tolist()):
+            end = next((i for i, token in enumerate(ids) if token in end_ids), None)
+            results.append((list(batch[row // n]), ids if end is None else ids[: end + 1], end is None))
     return results

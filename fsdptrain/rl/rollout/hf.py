@@ -160,7 +160,8 @@ class HFRollout:
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
         if self.beams:
             return [Generation(prompt, response, [1] * len(response), None, truncated)
-                    for prompt, response, truncated in beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog)]
+                    for prompt, response, truncated in beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog,
+                                                                           batch_size)]
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
                         calculate_log_probs)
 
