@@ -1,12 +1,14 @@
 """A trainer that starts its own workers, as verl's `python3 -m verl.trainer.main_ppo trainer.n_gpus_per_node=8`
 does: `python -m fsdptrain.grpo_trainer trainer.n_gpus_per_node=N ...` (N > 1, one node, not under torchrun)
-launches N workers on this machine with torch's elastic agent, the one torchrun runs, in this process. Unlike
-torchrun it prints no summary of its own beyond one line: a worker that fails for a user's mistake has already
-printed the mistake (trainer/report.py), so the last lines on the screen say what to fix. Several nodes are
-launched by torchrun on each (docs/multinode.md).
+launches N workers on this machine with torch's elastic agent, the one torchrun runs, in this process (a process
+that another launcher started, torchrun or one that sets WORLD_SIZE, trains itself). Unlike torchrun it prints no
+summary of its own beyond one line: a worker that fails for a user's mistake has already printed the mistake
+(trainer/report.py), so the last lines on the screen say what to fix. Several nodes are launched by torchrun on
+each (docs/multinode.md).
 """
 
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -37,7 +39,7 @@ def launch_workers_if_asked(module: str, argv: list[str]) -> int | None:
     """Run `module` with `argv` on the workers the command line asks for, and return the exit code for this
     process; None where this process is to train itself (under torchrun, or one process asked for)."""
     shape = launch_shape(argv)
-    if under_torchrun() or shape is None or shape == (1, 1):
+    if under_torchrun() or "WORLD_SIZE" in os.environ or shape is None or shape == (1, 1):  # already a launcher's worker
         return None
     nodes, per_node = shape
     if nodes != 1:
