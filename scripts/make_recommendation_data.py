@@ -1,0 +1,94 @@
+"""A synthetic generative-recommendation task with MiniOneRec's mechanics (../shared/research/minionerec.md,
+section 8): 256 items named by semantic IDs of three codes, `<a_i><b_j><c_k>`, from codebooks of 8 (24 new
+tokens); users whose next item follows a latent rule.
+
+    python scripts/make_recommendation_data.py OUT_DIR [--train 3000] [--val 200] [--test 500] [--seed 0]
+
+Catalog: each (a, b) pair has 4 random c codes (256 items; the third level is sparse, so the catalog's prefix tree
+matters), and within a leaf the 4 items' popularity is a random order of .4/.3/.2/.1. A user has a style b_u and a
+start code a_0 (uniform over 8); each next item's a is a + 1 mod 8 with probability .6, the same a with .25, a
+uniform one with .15; its b is b_u with probability .8, else uniform; its c is drawn by the leaf's popularity. A
+history holds 3 to 6 items, then the target. Splits hold disjoint users. Writes:
+- items.index.json: MiniOneRec's index (item id -> its three code tokens): model.added_tokens_file and
+  rollout.catalog_file;
+- sft_{split}.parquet: a `messages` column (the history as the user's turn, the target as the assistant's);
+- rl_{split}.parquet: verl's layout (`prompt`, `data_source` "recommendation", `reward_model.ground_truth` the target).
+"""
+
+import argparse
+import json
+import os
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+CODES = 8
+POPULARITY = (0.4, 0.3, 0.2, 0.1)
+
+
+def catalog(rng: random.Random) -> dict[tuple[int, int], list[tuple[int, float]]]:
+    """Each (a, b) leaf's 4 c codes with their popularity."""
+    leaves = {}
+    for a in range(CODES):
+        for b in range(CODES):
+            codes = rng.sample(range(CODES), 4)
+            leaves[(a, b)] = list(zip(codes, rng.sample(POPULARITY, 4)))
+    return leaves
+
+
+def sid(a: int, b: int, c: int) -> str:
+    return f"<a_{a}><b_{b}><c_{c}>"
+
+
+def user_items(rng: random.Random, leaves: dict) -> list[str]:
+    """One user's history (3 to 6 items) and its target, last."""
+    style, a = rng.randrange(CODES), rng.randrange(CODES)
+    items = []
+    for step in range(rng.randint(3, 6) + 1):
+        if step:
+            draw = rng.random()
+            a = (a + 1) % CODES if draw < 0.6 else a if draw < 0.85 else rng.randrange(CODES)
+        b = style if rng.random() < 0.8 else rng.randrange(CODES)
+        codes, weights = zip(*leaves[(a, b)])
+        items.append(sid(a, b, rng.choices(codes, weights)[0]))
+    return items
+
+
+def prompt_text(history: list[str]) -> str:
+    return "History: " + " ".join(history) + "\nNext:"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--train", type=int, default=3000)
+    parser.add_argument("--val", type=int, default=200)
+    parser.add_argument("--test", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rng = random.Random(args.seed)
+    leaves = catalog(rng)
+    index = {}
+    for (a, b), codes in sorted(leaves.items()):
+        for c, _ in codes:
+            index[str(len(index))] = [f"<a_{a}>", f"<b_{b}>", f"<c_{c}>"]
+    with open(os.path.join(args.out, "items.index.json"), "w") as f:
+        json.dump(index, f)
+    for split, users in (("train", args.train), ("val", args.val), ("test", args.test)):
+        sft, rl = [], []
+        for user in range(users):
+            *history, target = user_items(rng, leaves)
+            # an empty system message: SmolLM2's template would add its 16-token default to every prompt
+            turns = [{"role": "system", "content": ""}, {"role": "user", "content": prompt_text(history)}]
+            sft.append([*turns, {"role": "assistant", "content": target}])
+            rl.append({"prompt": turns, "data_source": "recommendation", "reward_model": {"ground_truth": target, "style": "rule"},
+                       "extra_info": {"split": split, "index": user}})
+        pq.write_table(pa.table({"messages": sft}), os.path.join(args.out, f"sft_{split}.parquet"))
+        pq.write_table(pa.Table.from_pylist(rl), os.path.join(args.out, f"rl_{split}.parquet"))
+    print(f"wrote {len(index)} items, {args.train}/{args.val}/{args.test} users under {args.out}")
+
+
+if __name__ == "__main__":
+    main()

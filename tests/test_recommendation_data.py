@@ -1,0 +1,35 @@
+"""scripts/make_recommendation_data.py: the catalog and users of MiniOneRec's brief, section 8."""
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import pyarrow.parquet as pq
+
+from conftest import REPO
+
+
+def test_the_catalog_and_the_users_follow_the_brief(tmp_path):
+    subprocess.run([sys.executable, "scripts/make_recommendation_data.py", str(tmp_path), "--train", "400", "--val", "20", "--test", "30"],
+                   cwd=REPO, check=True, capture_output=True)
+    index = json.loads((tmp_path / "items.index.json").read_text())
+    assert len(index) == 256 and len({tuple(t) for t in index.values()}) == 256
+    assert len({token for tokens in index.values() for token in tokens}) == 24  # codebooks of 8/8/8
+    leaves = Counter((a, b) for a, b, _ in index.values())
+    assert set(leaves.values()) == {4} and len(leaves) == 64  # 4 c codes under every (a, b)
+    items = {"".join(tokens) for tokens in index.values()}
+    steps = advanced = 0
+    for split, users in (("train", 400), ("val", 20), ("test", 30)):
+        sft, rl = pq.read_table(tmp_path / f"sft_{split}.parquet").to_pylist(), pq.read_table(tmp_path / f"rl_{split}.parquet").to_pylist()
+        assert len(sft) == len(rl) == users
+        for chat, row in zip(sft, rl):
+            history = re.findall(r"<a_\d><b_\d><c_\d>", chat["messages"][1]["content"])
+            assert 3 <= len(history) <= 6 and set(history) <= items
+            assert chat["messages"][2]["content"] == row["reward_model"]["ground_truth"] in items
+            assert row["prompt"] == chat["messages"][:2] and chat["messages"][0] == {"role": "system", "content": ""}
+            codes = [int(item[3]) for item in [*history, chat["messages"][2]["content"]]]
+            steps += len(codes) - 1
+            advanced += sum((b - a) % 8 == 1 for a, b in zip(codes, codes[1:]))
+    assert 0.55 < advanced / steps < 0.7  # a moves to a + 1 with probability .6 (plus .15 / 8 by the uniform draw)
