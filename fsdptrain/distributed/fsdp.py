@@ -75,6 +75,11 @@ def full_parameters(
     yield from _gathered(bucket, dtype)
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded parameter (or gradient); a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _full_tensor(param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return param.detach()

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from fsdptrain.config.shared import LanguageModelConfig
+from fsdptrain.distributed.fsdp import local_shard
 from fsdptrain.errors import ConfigError
 
 MEAN_RESIZING_SCALE = 1e-9  # transformers' epsilon on the old rows' covariance
@@ -114,10 +115,6 @@ def grow_embeddings(model: PreTrainedModel, rows: int, new_ids: list[int], old_t
         matrix[new_ids] = (mean + noise).to(matrix.dtype)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def freeze_all_but_token_matrices(model: nn.Module) -> None:
     """freeze_llm, before sharding: the token matrices alone keep their gradients (TrainedRows narrows them)."""
     model.requires_grad_(False)
@@ -136,18 +133,18 @@ class TrainedRows:
             trained[ids] = True
             if isinstance(matrix, DTensor):
                 trained = distribute_tensor(trained.to(matrix.device), matrix.device_mesh, matrix.placements)
-            mask = local(trained).to(local(matrix).device)
-            self.rows.append((matrix, mask, local(matrix).detach().clone()))
+            mask = local_shard(trained).to(local_shard(matrix).device)
+            self.rows.append((matrix, mask, local_shard(matrix).detach().clone()))
 
     def mask_gradients(self) -> None:
         """Before clipping: the frozen rows' gradients zeroed."""
         for matrix, mask, _ in self.rows:
             if matrix.grad is not None:
-                local(matrix.grad).mul_(mask)
+                local_shard(matrix.grad).mul_(mask)
 
     @torch.no_grad()
     def restore_frozen(self) -> None:
         """After the optimizer step: the frozen rows as they were (weight decay moved them)."""
         for matrix, mask, frozen in self.rows:
-            values = local(matrix)
+            values = local_shard(matrix)
             values.copy_(torch.where(mask, values, frozen))

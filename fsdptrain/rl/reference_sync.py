@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from fsdptrain.distributed.fsdp import local_shard
 
 
 @dataclass(frozen=True)
@@ -19,16 +20,12 @@ class ReferenceSync:
         return step % self.every_steps == 0
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 @torch.no_grad()
 def mix_policy_into_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
     """reference <- alpha * policy + (1 - alpha) * reference, parameter by parameter, on this rank's shards
     (wherever either model's offload keeps them)."""
     policy_parameters = dict(policy.named_parameters())
     for name, parameter in reference.named_parameters():
-        mine, theirs = local(parameter), local(policy_parameters[name])
+        mine, theirs = local_shard(parameter), local_shard(policy_parameters[name])
         mixed = torch.lerp(mine.float(), theirs.to(mine.device, torch.float32), alpha)
         mine.copy_(mixed)
