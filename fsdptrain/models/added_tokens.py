@@ -132,7 +132,7 @@ class TrainedRows:
             trained = torch.zeros(matrix.shape[0], 1, dtype=torch.bool)
             trained[ids] = True
             if isinstance(matrix, DTensor):
-                trained = distribute_tensor(trained.to(matrix.device), matrix.device_mesh, matrix.placements)
+                trained = distribute_tensor(trained.to(matrix.device_mesh.device_type), matrix.device_mesh, matrix.placements)
             mask = local_shard(trained).to(local_shard(matrix).device)
             self.rows.append((matrix, mask, local_shard(matrix).detach().clone()))
 
