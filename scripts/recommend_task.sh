@@ -3,8 +3,8 @@
 # tokens of a synthetic catalog (scripts/make_recommendation_data.py), is fine-tuned to name a user's next item,
 # then trained by GRPO over 8 beams constrained to the catalog with MiniOneRec's ranking reward, against the SFT
 # model as the KL's reference; both are evaluated by constrained 10-beam search on held-out users (HR@K, NDCG@K),
-# with GRPO's paired difference from SFT. It runs end to end; its sizes are not yet tuned to the 30 minutes and the
-# gain issue 52 asks for (docs/results.md has the probes so far).
+# with GRPO's paired difference from SFT. It runs end to end (31 minutes here with GRPO_STEPS=60), but its SFT does
+# not yet learn the users' rule, so neither model beats a random pick (docs/results.md has the run and what next).
 #   bash scripts/recommend_task.sh
 # Sizes are environment variables: WORK (runs/recommend), SEED (the data's draw, 0), SFT_STEPS (150 of 16 users),
 # SFT_LR (1e-3), GRPO_STEPS (100 of 4 prompts x 8 beams), GRPO_LR (1e-5), KL (1e-3), TEST (500 users), NPROC (2),
