@@ -55,12 +55,10 @@ done
 for pid in "${pids[@]}"; do wait "$pid"; done
 python - "$WORK/eval" <<'PY'
 import json, sys
-from fsdptrain.rl.validation import mean_and_se, ranking_values
-ks = [1, 5, 10]
-values = {name: ranking_values([json.loads(line) for line in open(f"{sys.argv[1]}/{name}.jsonl")], ks) for name in ("sft", "grpo")}
-print(f"{'metric':<8} {'SFT':>15} {'GRPO':>15} {'GRPO - SFT (paired)':>22}")
-for metric in ("hr@1", "hr@5", "hr@10", "ndcg@5", "ndcg@10"):
-    (a, a_se), (b, b_se) = (mean_and_se([v[metric] for v in values[name].values()]) for name in ("sft", "grpo"))
-    gain, gain_se = mean_and_se([values["grpo"][i][metric] - values["sft"][i][metric] for i in values["sft"]])
-    print(f"{metric:<8} {a:>8.4f} ± {a_se:.4f} {b:>8.4f} ± {b_se:.4f} {gain:>+12.4f} ± {gain_se:.4f} ({gain / gain_se if gain_se else 0:+.1f} se)")
+from fsdptrain.evaluate import report_ranking
+records = lambda name: [json.loads(line) for line in open(f"{sys.argv[1]}/{name}.jsonl")]
+print("SFT:", end="")
+report_ranking(records("sft"), [1, 5, 10], None)
+print("\nGRPO, and its paired difference from SFT:", end="")
+report_ranking(records("grpo"), [1, 5, 10], f"{sys.argv[1]}/sft.jsonl")
 PY

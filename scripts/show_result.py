@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from fsdptrain.rl.validation import mean_and_se
+
 
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
@@ -24,11 +26,7 @@ def paired_difference(before: str, after: str) -> tuple[float, float]:
     """Mean per-problem accuracy gain of `after` over `before` (evaluate's answer files, the same problems) and its
     standard error: the spread of the per-problem differences, which counts the problems both solve only once."""
     first = {r["index"]: r["acc"] for r in read_jsonl(before)}
-    differences = [r["acc"] - first[r["index"]] for r in read_jsonl(after)]
-    n = len(differences)
-    mean = sum(differences) / n
-    variance = sum((d - mean) ** 2 for d in differences) / max(n - 1, 1)
-    return mean, (variance / n) ** 0.5
+    return mean_and_se([r["acc"] - first[r["index"]] for r in read_jsonl(after)])
 
 
 def main() -> None:

@@ -99,6 +99,8 @@ def test_beam_settings_that_cannot_work_are_refused(catalog_file):
     assert "runs on the hf engine" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true", "actor_rollout_ref.rollout.name=vllm")
     assert "gives no sampling log-probs" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true",
                                                                  "actor_rollout_ref.rollout.calculate_log_probs=true")
+    assert "add_gt=true puts a response no engine sampled" in grpo_config_problems("actor_rollout_ref.rollout.add_gt=true",
+                                                                                  "actor_rollout_ref.rollout.calculate_log_probs=true")
     assert "no_such.txt' does not exist" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true",
                                                                  "actor_rollout_ref.rollout.catalog_file=no_such.txt")
 

@@ -28,7 +28,7 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.loading import load_model_config, load_tokenizer
-from fsdptrain.models.lora import adapters_disabled, has_adapters
+from fsdptrain.models.lora import adapters_disabled
 from fsdptrain.optim import build_optimizer, build_scheduler
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import PolicyActor, compute_log_probs
@@ -440,7 +440,7 @@ def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, reference: nn.Modul
     actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
     actor_offload = PhaseOffload(run.model, run.optimizer, actor_fsdp.param_offload, actor_fsdp.optimizer_offload, parallel.device)
     reference_offload = None
-    if plan.needs_reference and has_adapters(run.model):
+    if plan.needs_reference and reference is None:  # LoRA's (build_reference builds none)
         reference = run.model  # the policy with its adapters switched off: no second model, on the device as the actor
         reference_offload = PhaseOffload(reference, None, False, False, parallel.device)
     elif reference is not None:

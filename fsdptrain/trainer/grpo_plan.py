@@ -275,12 +275,14 @@ def check_reference_sync(config: GRPOConfig) -> None:
                           "(adapters off), which the adapters train against; a moving reference needs a second model (lora_rank=0)")
 
 
+def wants_sampling_log_probs(config: GRPOConfig) -> bool:
+    """Whether the step reads the engine's sampling log-probs (kept, compared or trained on)."""
+    rollout = config.actor_rollout_ref.rollout
+    return rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None or bypasses(config)
+
+
 def check_beam_search(config: GRPOConfig) -> None:
     rollout, key = config.actor_rollout_ref.rollout, f"{ROLLOUT}.beam_search=true"
-    if rollout.add_gt and (rollout.multi_turn.enable or rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None
-                           or bypasses(config)):
-        raise ConfigError(f"{ROLLOUT}.add_gt=true puts a response no engine sampled into a group: it has no sampling log-probs (leave "
-                          f"{ROLLOUT}.calculate_log_probs=false and algorithm.rollout_correction off) and no turns (multi_turn)")
     if rollout.catalog_file and not rollout.beam_search:
         raise ConfigError(f"{ROLLOUT}.catalog_file constrains beam search: set {key} (constrained sampling is not built)")
     if not rollout.beam_search:
@@ -289,11 +291,18 @@ def check_beam_search(config: GRPOConfig) -> None:
         raise ConfigError(f"{key} runs on the hf engine: {ROLLOUT}.name={rollout.name} (vLLM's beam search is not wired in)")
     if rollout.multi_turn.enable:
         raise ConfigError(f"{key} with {ROLLOUT}.multi_turn.enable=true: beams answer a prompt in one turn")
-    if rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None or bypasses(config):
+    if wants_sampling_log_probs(config):
         raise ConfigError(f"{key} gives no sampling log-probs (a beam is not sampled): set {ROLLOUT}.calculate_log_probs=false "
                           "and leave algorithm.rollout_correction off")
     if rollout.catalog_file:
         read_catalog(rollout.catalog_file, f"{ROLLOUT}.catalog_file")
+
+
+def check_add_gt(config: GRPOConfig) -> None:
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.add_gt and (rollout.multi_turn.enable or wants_sampling_log_probs(config)):
+        raise ConfigError(f"{ROLLOUT}.add_gt=true puts a response no engine sampled into a group: it has no sampling log-probs (leave "
+                          f"{ROLLOUT}.calculate_log_probs=false and algorithm.rollout_correction off) and no turns (multi_turn)")
 
 
 def check_layout(config: GRPOConfig, world: World) -> None:
@@ -350,6 +359,7 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: check_decoupled_sources(config),
         lambda: check_reference_sync(config),
         lambda: check_beam_search(config),
+        lambda: check_add_gt(config),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: check_layout(config, world),
     ]
