@@ -229,15 +229,15 @@ def logged(out: str, key: str) -> list[float]:
     return [m[key] for m in read_metrics(out) if key in m]
 
 
-def assert_same_run(out: str, reference: str, atol: float = 1e-5) -> None:
+def assert_same_run(out: str, reference: str, atol: float = 1e-5, grad_rtol: float = 1e-4) -> None:
     """Two runs trained the same: losses, gradient norms (AdamW and clipping would hide a constant factor in the
-    gradient), validation losses, and the final weights."""
+    gradient; `grad_rtol` of themselves), validation losses, and the final weights."""
     for key in ("train/loss", "val/loss"):
         assert logged(out, key), f"{out} logged no {key}"
         assert logged(out, key) == pytest.approx(logged(reference, key), abs=atol), key
-    # torch's fp32 norm over millions of gradient elements is itself accurate to a few 1e-5 (the fp64 norm of the
-    # same gradients agrees to 1e-7 across layouts); a constant factor in the gradient shows far above 1e-4.
-    assert logged(out, "train/grad_norm") == pytest.approx(logged(reference, "train/grad_norm"), rel=1e-4)
+    # the norm is summed in fp64; the gradients themselves differ by the layout's kernels (packed attention, Ulysses'
+    # exchanges), a constant factor in them shows far above 1e-4.
+    assert logged(out, "train/grad_norm") == pytest.approx(logged(reference, "train/grad_norm"), rel=grad_rtol)
     last = read_metrics(reference)[-1]["step"]
     final = lambda root: hf_weights(os.path.join(root, f"global_step_{last}"))  # noqa: E731
     assert_same_weights(final(out), final(reference), atol=atol)

@@ -64,8 +64,7 @@ def test_several_nodes_are_left_to_torchrun(tmp_path, tiny_llama, chat_data):
 def test_hybrid_sharding_trains_as_sharding_over_every_rank(tmp_path, tiny_llama, chat_data, nproc, sp, fsdp_size):
     """verl's fsdp_size: the model sharded over groups of fsdp_size ranks and replicated across them (HSDP) trains
     as sharded over every rank: 4 processes as 2 x 2 against 4 x 1; 8 as 2 replicas x 2 shards x Ulysses 2 against
-    Ulysses alone. Losses to 1e-6; the fp32 gradient norm to 1e-4 of itself (the reduction order differs: 7e-6 at
-    the first step, growing through AdamW's steps)."""
+    Ulysses alone. Losses, gradient norms and final weights to 1e-6."""
     runs = {}
     for size in (-1, fsdp_size):
         runs[size] = str(tmp_path / str(size))
@@ -73,7 +72,7 @@ def test_hybrid_sharding_trains_as_sharding_over_every_rank(tmp_path, tiny_llama
                 trainer__checkpoint__save_contents=SAVE_HF)
     hybrid, full = read_metrics(runs[fsdp_size]), read_metrics(runs[-1])
     assert [m["train/loss"] for m in hybrid] == pytest.approx([m["train/loss"] for m in full], abs=1e-6)
-    assert_same_run(runs[fsdp_size], runs[-1], atol=1e-6)
+    assert_same_run(runs[fsdp_size], runs[-1], atol=1e-6, grad_rtol=1e-6)
 
 
 def test_untied_embedding_in_its_own_fsdp_group(tmp_path, tokenizer, chat_data):
