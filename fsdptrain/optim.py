@@ -19,16 +19,18 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimi
 
 
 def warmup_steps(config: OptimConfig, total_steps: int) -> int:
-    if config.lr_warmup_steps is not None:
+    """verl's rule: optim.lr_warmup_steps where positive; null, 0 or negative take lr_warmup_steps_ratio of the steps."""
+    if config.lr_warmup_steps is not None and config.lr_warmup_steps > 0:
         return config.lr_warmup_steps
     return int(config.lr_warmup_steps_ratio * total_steps)
 
 
 def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:
-    """The learning rate at optimizer step `step` (0-based) as a fraction of optim.lr."""
+    """The learning rate at optimizer step `step` (0-based) as a fraction of optim.lr: verl's schedules (the
+    warm-up rises linearly from 0, its first step included, as verl's zero-indexed count)."""
     warmup = warmup_steps(config, total_steps)
     if step < warmup:
-        return (step + 1) / (warmup + 1)
+        return step / warmup
     floor = config.min_lr_ratio
     if config.lr_scheduler == "constant":
         return 1.0

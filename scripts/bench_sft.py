@@ -142,7 +142,7 @@ def run_fsdptrain(args, steps: list, variant: list[str]) -> dict:
            f"data.train_files={args.train}", "data.multiturn.enable=true", f"data.max_length={args.max_length}", "data.truncation=right",
            f"data.train_batch_size={args.batch}", "data.balance_dp_token=true", "data.shuffle=false", f"model.partial_pretrain={args.model_dir}",
            "model.enable_gradient_checkpointing=false", f"optim.lr={args.lr}", "optim.weight_decay=0", "optim.lr_scheduler=constant",
-           "optim.lr_warmup_steps=0", f"trainer.total_training_steps={args.steps}", "trainer.logger=[file]",
+           "optim.lr_warmup_steps_ratio=0", f"trainer.total_training_steps={args.steps}", "trainer.logger=[file]",
            f"model.fsdp_config.mixed_precision.param_dtype={'bf16' if args.bf16 else 'fp32'}",
            "optim.betas=[0.9,0.999]", *args.fsdptrain_overrides, *variant,  # HF's AdamW betas, so that the runs agree
            f"trainer.default_local_dir={out}", "trainer.resume_mode=disable", "trainer.save_freq=-1",  # -1: at the last step alone

@@ -168,6 +168,15 @@ def small_checkpoint(tmp_path_factory, tiny_llama, chat_data):
     return out
 
 
+def test_sft_resume_mode_auto_resumes_from_a_given_path(tmp_path, tiny_llama, chat_data, small_checkpoint):
+    """verl's SFT trainers: resume_mode=auto (the default) with resume_from_path resumes from that checkpoint, not
+    from the run folder's latest (verl's PPO trainer reads the path only with resume_mode=resume_path)."""
+    out = str(tmp_path)
+    run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2, trainer__resume_mode="auto",
+            trainer__resume_from_path=os.path.join(small_checkpoint, "global_step_1"), trainer__checkpoint__load_contents="[model,extra]")
+    assert [m["step"] for m in read_metrics(out)] == [2]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -135,7 +135,6 @@ def grpo_config(*overrides):
          r"skip_zero_advantage=true needs actor_rollout_ref.actor.entropy_coeff=0 and actor_rollout_ref.actor.use_kl_loss=false \(got 0.01 and false\)"),
         (["actor_rollout_ref.actor.skip_zero_advantage=true", "actor_rollout_ref.actor.use_kl_loss=true"], r"\(got 0.0 and true\)"),
         (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=loss"], "filter_groups.metric must be one of acc|score"),
-        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"], "max_num_gen_batches must be > 0"),
         (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true"],
          "seq_final_reward with algorithm.use_kl_in_reward=true"),
         (["algorithm.rollout_correction.rollout_is=tokens"], "rollout_is must be one of None|token|sequence"),

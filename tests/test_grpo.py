@@ -168,7 +168,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 @pytest.mark.slow
 def test_sequence_parallel_dynamic_sampling_and_rollout_correction(tmp_path, tiny_llama, rl_data):
     """One Ulysses group of two ranks; DAPO's dynamic sampling on `acc` keeps only the groups where it varies and
-    draws again until it has train_batch_size of them; token-level rollout correction with the HF engine's
+    draws again until it has train_batch_size of them (max_num_gen_batches=0: no limit, verl's default); token-level rollout correction with the HF engine's
     sampling log-probs, which are the trainer's (weights 1, probabilities equal); the reward function under
     newer verl's key."""
     reward = tmp_path / "parity.py"
@@ -176,7 +176,7 @@ def test_sequence_parallel_dynamic_sampling_and_rollout_correction(tmp_path, tin
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(
         tiny_llama, rl_data, out, actor_rollout_ref__actor__ulysses_sequence_parallel_size=2, algorithm__filter_groups__enable="true",
-        algorithm__filter_groups__metric="acc", algorithm__rollout_correction__rollout_is="token", custom_reward_function__path="null",
+        algorithm__filter_groups__metric="acc", algorithm__filter_groups__max_num_gen_batches="0", algorithm__rollout_correction__rollout_is="token", custom_reward_function__path="null",
         reward__custom_reward_function__path=str(reward), trainer__rollout_data_dir=f"{out}/rollouts", data__val_files="null"))
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]

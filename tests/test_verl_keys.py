@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -157,6 +158,18 @@ def test_verl_keys_refuse_and_rename_as_the_table_says():
     assert (overrides, problems) == (["actor_rollout_ref.actor.optim.lr_scheduler=cosine", "trainer.max_ckpt_to_keep=2"], [])
     overrides, problems = translate(["optim.warmup_steps_ratio=0.05", "trainer.resume_path=/ckpt"], "sft", 1)
     assert overrides == ["optim.lr_warmup_steps_ratio=0.05"] and "trainer.resume_from_path" in problems[0]
+    _, problems = translate(["optim.zero_indexed_step=false"], "sft", 1)  # torchtitan's count from 1: another warm-up
+    assert len(problems) == 1 and "counts optimizer steps from 0" in problems[0]
+    assert translate(["optim.zero_indexed_step=true"], "sft", 1) == ([], [])
+
+
+def test_mindspeed_rls_offload_keys_are_verls_offload_between_phases():
+    """MindSpeed-RL's generate_config.offload_train_* mean what verl's param_offload / optimizer_offload mean here:
+    the actor's parameters and optimizer state in host memory while rollouts are generated."""
+    overrides, problems = translate(["generate_config.offload_train_param=true", "generate_config.offload_train_optimizer=true",
+                                     "generate_config.offload_train_grad=true"], "grpo", 1)
+    assert problems == []
+    assert overrides == ["actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
 
 
 @pytest.mark.parametrize("trainer, keys", [("grpo", "verl-0.9.0/ppo_trainer_keys.txt"), ("sft", "verl-0.9.0/sft_trainer_keys.txt"),
@@ -168,6 +181,19 @@ def test_every_key_of_verls_configs_has_a_state(trainer, keys):
     states = {key: state for key, (_, state, _, _) in zip(keys, key_states([f"{key}=1" for key in keys], trainer))}
     assert [key for key, state in states.items() if state == "unknown"] == []
     assert {"key", "mapped", "accepted", "refused"} <= set(states.values()) | {"left off"}
+
+
+def test_the_docs_count_the_states_of_verl_09s_keys():
+    """docs/from_verl.md's counts by state are the table's."""
+    rows = {"fsdptrain's own key": ("key",), "mapped to": ("mapped",), "accepted:": ("accepted",), "refused with": ("refused", "left off"),
+            "the launch shape": ("launch shape",)}
+    page = (REPO / "docs" / "from_verl.md").read_text().splitlines()
+    for column, (trainer, keys) in enumerate((("grpo", "ppo_trainer_keys.txt"), ("sft", "sft_trainer_keys.txt"))):
+        keys = [line.strip() for line in (EXAMPLES / "verl-0.9.0" / keys).read_text().splitlines() if line.strip() and not line.startswith("#")]
+        counts = Counter(state for _, state, _, _ in key_states([f"{key}=1" for key in keys], trainer))
+        for start, states in rows.items():
+            (line,) = [line for line in page if line.startswith(f"| {start}")]
+            assert int(line.split("|")[2 + column]) == sum(counts[s] for s in states), line
 
 
 def test_the_table_names_each_key_once():

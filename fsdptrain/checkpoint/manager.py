@@ -261,7 +261,7 @@ class CheckpointManager:
         mode = self.config.resume_mode
         if mode == "disable":
             return None
-        if mode == "resume_path":
+        if mode == "resume_path" or (mode == "auto" and self.config.resume_from_path and self.config.auto_resumes_from_path):
             path = self.config.resume_from_path
             if not os.path.isdir(path):
                 raise ConfigError(f"trainer.resume_from_path={path!r} does not exist")

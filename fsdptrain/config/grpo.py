@@ -351,7 +351,6 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
             positive("algorithm.kl_ctrl.target_kl", algorithm.kl_ctrl.target_kl)
     filter_groups = algorithm.filter_groups
     if filter_groups.enable:
-        positive("algorithm.filter_groups.max_num_gen_batches", filter_groups.max_num_gen_batches)
         if filter_groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
             raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: groups are "
                               "filtered before the log-probs that the reward's KL penalty needs; use seq_reward")

@@ -2,7 +2,7 @@
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -85,6 +85,7 @@ class SFTOptimConfig(OptimConfig):
 @dataclass
 class SFTTrainerConfig(TrainerConfig):
     nccl_timeout: int
+    auto_resumes_from_path: ClassVar[bool] = True  # verl's SFT trainers: resume_mode=auto with resume_from_path resumes from it
 
 
 @dataclass

@@ -2,7 +2,7 @@
 followed by its validation, which takes the section's key prefix so that an error names the user's key."""
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fsdptrain.config.base import as_path_list, check_all, one_of, positive
 from fsdptrain.errors import ConfigError
@@ -131,8 +131,6 @@ def validate_optim(optim: OptimConfig, prefix: str) -> None:
         raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay!r}")
     if not 0 <= optim.lr_warmup_steps_ratio <= 1:
         raise ConfigError(f"{prefix}.lr_warmup_steps_ratio must be in [0, 1], got {optim.lr_warmup_steps_ratio!r}")
-    if optim.lr_warmup_steps is not None and optim.lr_warmup_steps < 0:
-        raise ConfigError(f"{prefix}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps!r}")
     one_of(f"{prefix}.lr_scheduler", optim.lr_scheduler, ("cosine", "wsd", "constant"))
     if not 0 <= optim.min_lr_ratio <= 1:
         raise ConfigError(f"{prefix}.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
@@ -156,6 +154,7 @@ class CpuSpeedupsConfig:
 
 @dataclass
 class TrainerConfig:
+    auto_resumes_from_path: ClassVar[bool] = False  # verl's PPO trainer: resume_mode=auto resumes default_local_dir's latest, whatever resume_from_path says
     default_local_dir: str
     project_name: str
     experiment_name: str

@@ -201,7 +201,7 @@ class GroupSampler:
         kept: list[Group] = []
         rounds = total = 0
         while total < self.batch_size:
-            if rounds == self.max_gen_batches:
+            if 0 < self.max_gen_batches <= rounds:  # non-positive: no limit, as verl
                 raise RuntimeError(f"algorithm.filter_groups: {int(total)} groups with varying {self.filter_metric} after max_num_gen_batches="
                                    f"{rounds} batches, fewer than data.train_batch_size={self.batch_size}; raise max_num_gen_batches, or "
                                    "use prompts that the policy sometimes solves")

@@ -4,6 +4,7 @@ the reference the project's formulas are tested against. verl's package __init__
 tensordict, ...) are left out: the package is entered below its __init__, and the modules that core_algos reaches
 only for other workers are empty stand-ins."""
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -40,15 +41,19 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 UNPACKED = Path(__file__).resolve().parents[2] / ".cache" / "verl-0.9.1" / "verl"
 
 
-def load_core_algos() -> types.ModuleType | None:
-    """verl's core_algos module, or None where the wheel is not unpacked."""
+def load_verl(module: str) -> types.ModuleType | None:
+    """One of verl's modules (`verl.trainer.ppo.core_algos`, `verl.utils.torch_functional`), or None where the
+    wheel is not unpacked."""
     if not (UNPACKED / "trainer" / "ppo" / "core_algos.py").is_file():
         return None
-    if "verl.trainer.ppo.core_algos" not in sys.modules:
+    if "verl" not in sys.modules:
         sys.meta_path.append(StandInFinder())  # last: a real module, where installed, is found first
         package = types.ModuleType("verl")
         package.__path__ = [str(UNPACKED)]
         sys.modules["verl"] = package
-    import verl.trainer.ppo.core_algos as core_algos
+    return importlib.import_module(module)
 
-    return core_algos
+
+def load_core_algos() -> types.ModuleType | None:
+    """verl's core_algos module, or None where the wheel is not unpacked."""
+    return load_verl("verl.trainer.ppo.core_algos")
