@@ -69,17 +69,24 @@ def ppo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
 
 @pytest.mark.slow
 def test_ppo_with_kl_hybrid_sharded_trains_as_sharded_over_every_rank(tmp_path, tiny_llama, rl_data):  # noqa: F811
-    """The actor (with the reference it shards as) and the critic each hybrid-sharded (verl's fsdp_size: 4
-    processes as 2 replicas of 2 shards) against sharded over all 4: the same rollouts, losses, values and
-    gradient norms, step by step, to 1e-6."""
+    """The actor, its reference and the critic each hybrid-sharded by its own fsdp_size (verl's: 4 processes as 2
+    replicas of 2 shards; then the reference alone) against sharded over all 4: the same rollouts, losses, values
+    and gradient norms, step by step, to 1e-6."""
     runs = {}
-    for size in (-1, 2):
-        runs[size] = str(tmp_path / str(size))
-        torchrun(4, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, runs[size], trainer__total_training_steps=2, data__val_files="null",
+    for name, (actor, ref, critic) in {"full": (-1, -1, -1), "hybrid": (2, 2, 2), "reference": (-1, 2, -1)}.items():
+        runs[name] = str(tmp_path / name)
+        torchrun(4, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, runs[name], trainer__total_training_steps=2, data__val_files="null",
                                                         actor_rollout_ref__actor__use_kl_loss="true",
-                                                        actor_rollout_ref__actor__fsdp_config__fsdp_size=size,
-                                                        critic__model__fsdp_config__fsdp_size=size, **PPO))
-    hybrid, full = read_metrics(runs[2]), read_metrics(runs[-1])
+                                                        actor_rollout_ref__actor__fsdp_config__fsdp_size=actor,
+                                                        actor_rollout_ref__ref__fsdp_config__fsdp_size=ref,
+                                                        critic__model__fsdp_config__fsdp_size=critic, **PPO))
+    full = read_metrics(runs["full"])
+    for hybrid in (read_metrics(runs["hybrid"]), read_metrics(runs["reference"])):
+        check_same_steps(hybrid, full)
+    assert full[1]["actor/grad_norm"] > 0 and full[0]["critic/grad_norm"] > 0
+
+
+def check_same_steps(hybrid: list[dict], full: list[dict]) -> None:
     assert len(hybrid) == len(full) == 2
     for h, f in zip(hybrid, full):
         assert h["critic/score/mean"] == f["critic/score/mean"] and h["response_length/mean"] == f["response_length/mean"]
@@ -90,7 +97,6 @@ def test_ppo_with_kl_hybrid_sharded_trains_as_sharded_over_every_rank(tmp_path, 
         for key in ("actor/grad_norm", "critic/grad_norm"):
             if key in f:
                 assert h[key] == pytest.approx(f[key], rel=1e-6), key
-    assert full[1]["actor/grad_norm"] > 0 and full[0]["critic/grad_norm"] > 0
 
 
 @pytest.mark.slow

@@ -68,6 +68,9 @@ def test_a_resumed_run_moves_the_reference_as_the_uninterrupted_one(tmp_path, ti
     (["actor_rollout_ref.ref.sync_ref_model=true"], "sync_ref_model=true moves the reference, which only the KL uses"),
     (["actor_rollout_ref.ref.sync_ref_model=true", "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.model.lora_rank=4"],
      "LoRA's reference is the actor's own frozen weights"),
+    (["actor_rollout_ref.ref.sync_ref_model=true", "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.fsdp_config.fsdp_size=1"],
+     "actor_rollout_ref.ref.fsdp_config.fsdp_size (1) must be the actor's (-1)"),
+    (["actor_rollout_ref.ref.fsdp_config.fsdp_size=0"], "actor_rollout_ref.ref.fsdp_config.fsdp_size must be -1 (every rank) or a positive"),
     (["actor_rollout_ref.ref.ref_model_mixup_alpha=0"], "ref_model_mixup_alpha must be in (0, 1], got 0"),
     (["actor_rollout_ref.ref.ref_model_sync_steps=0"], "actor_rollout_ref.ref.ref_model_sync_steps must be"),
 ])

@@ -42,12 +42,15 @@ def rollouts(out: str, step: int) -> list[dict]:
     return [json.loads(line) for line in open(f"{out}/rollouts/{step}.jsonl")]
 
 
-@pytest.mark.parametrize("packed", ["true", "false"])
-def test_the_reward_models_scores_are_a_plain_forward_of_the_same_tokens(tmp_path, tokenizer, tiny_llama, rl_data, packed):  # noqa: F811
+@pytest.mark.parametrize("packed, fsdp_size", [("true", -1), ("false", -1), ("true", 1)], ids=["packed", "padded", "packed-hybrid"])
+def test_the_reward_models_scores_are_a_plain_forward_of_the_same_tokens(tmp_path, tokenizer, tiny_llama, rl_data, packed, fsdp_size):  # noqa: F811
+    """Scores of the reward model sharded over both ranks, or hybrid-sharded by its own fsdp_size (2 replicas of one
+    shard), against a plain transformers forward."""
     reward_model = save_reward_model(tmp_path / "rm", tokenizer)
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, custom_reward_function__path="null", reward_model__enable="true",
                                                     reward_model__model__path=reward_model, reward_model__model__use_remove_padding=packed,
+                                                    reward_model__model__fsdp_config__fsdp_size=fsdp_size,
                                                     reward_model__micro_batch_size_per_gpu=3, trainer__rollout_data_dir=f"{out}/rollouts"))
     for step in (1, 2):
         rows = rollouts(out, step)

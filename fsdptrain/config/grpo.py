@@ -24,6 +24,7 @@ from fsdptrain.config.shared import (
     check_adapter_export,
     validate_data_files,
     validate_fsdp,
+    validate_fsdp_size,
     validate_model,
     validate_optim,
     validate_sequence_parallel,
@@ -233,6 +234,7 @@ def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
 class RefFSDPConfig:
     param_offload: bool
     cpu_offload: bool
+    fsdp_size: int  # its own, as in verl (-1 by default, whatever the actor's)
 
 
 @dataclass
@@ -248,6 +250,7 @@ def validate_ref(ref: RefConfig) -> None:
     prefix = "actor_rollout_ref.ref"
     positive(f"{prefix}.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu)
     positive(f"{prefix}.ref_model_sync_steps", ref.ref_model_sync_steps)
+    validate_fsdp_size(ref.fsdp_config.fsdp_size, f"{prefix}.fsdp_config.fsdp_size")
     if not 0 < ref.ref_model_mixup_alpha <= 1:
         raise ConfigError(f"{prefix}.ref_model_mixup_alpha must be in (0, 1], got {ref.ref_model_mixup_alpha}")
 
@@ -457,6 +460,7 @@ def validate_reward_model(reward_model: RewardModelConfig, max_response_length: 
     if reward_model.enable:
         if not reward_model.model.path:
             raise ConfigError("reward_model.enable=true needs reward_model.model.path: a sequence-classification model folder")
+        validate_fsdp_size(reward_model.model.fsdp_config.fsdp_size, "reward_model.model.fsdp_config.fsdp_size")
         positive("reward_model.micro_batch_size_per_gpu", reward_model.micro_batch_size_per_gpu)
         if not math.isfinite(reward_model.weight):
             raise ConfigError(f"reward_model.weight must be a finite number, got {reward_model.weight}")

@@ -28,9 +28,13 @@ class FSDPConfig:
     fsdp_size: int  # -1: shard over every rank; else over groups of this many, replicated across them (HSDP)
 
 
+def validate_fsdp_size(fsdp_size: int, key: str) -> None:
+    if fsdp_size != -1 and fsdp_size < 1:
+        raise ConfigError(f"{key} must be -1 (every rank) or a positive group size, got {fsdp_size}")
+
+
 def validate_fsdp(fsdp: FSDPConfig, prefix: str) -> None:
-    if fsdp.fsdp_size != -1 and fsdp.fsdp_size < 1:
-        raise ConfigError(f"{prefix}.fsdp_size must be -1 (every rank) or a positive group size, got {fsdp.fsdp_size}")
+    validate_fsdp_size(fsdp.fsdp_size, f"{prefix}.fsdp_size")
     one_of(f"{prefix}.model_dtype", fsdp.model_dtype, DTYPE_NAMES)
     one_of(f"{prefix}.mixed_precision.param_dtype", fsdp.mixed_precision.param_dtype, DTYPE_NAMES + (None,))
     one_of(f"{prefix}.mixed_precision.reduce_dtype", fsdp.mixed_precision.reduce_dtype, DTYPE_NAMES)

@@ -383,7 +383,8 @@ def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer)
     if hf_config.num_labels != 1:
         raise ConfigError(f"reward_model.model.path={settings.model.path!r} has {hf_config.num_labels} labels: a reward model has one")
     tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
-    fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=settings.model.fsdp_config.cpu_offload)
+    fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=settings.model.fsdp_config.cpu_offload,
+                   fsdp_size=settings.model.fsdp_config.fsdp_size)
     model = build_sharded_model(settings.model.path, model_config, fsdp, hf_config, trainer, parallel, settings.model.use_remove_padding,
                                 trainable=False, auto_class=AutoModelForTokenClassification)
     offload = PhaseOffload(model, None, settings.model.fsdp_config.param_offload, False, parallel.device)
@@ -413,13 +414,14 @@ def build_critic(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, total_s
 
 def build_reference(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, hf_config: PretrainedConfig,
                     added: AddedTokens | None) -> nn.Module | None:
-    """The frozen reference, sharded as the actor (with the `added` tokens' rows the actor starts from), where the
+    """The frozen reference, sharded by its own fsdp_config (with the `added` tokens' rows the actor starts from), where the
     KL needs one and LoRA does not give it (the actor's own weights, adapters off); built before the run's
     checkpoint is resumed, which holds it when it moves."""
     model = config.actor_rollout_ref.model
     if not plan.needs_reference or model.lora_rank:
         return None
-    ref_fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=config.actor_rollout_ref.ref.fsdp_config.cpu_offload)
+    ref = config.actor_rollout_ref.ref.fsdp_config
+    ref_fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=ref.cpu_offload, fsdp_size=ref.fsdp_size)
     return build_sharded_model(model.path, model, ref_fsdp, hf_config, config.trainer, parallel, model.use_remove_padding, trainable=False,
                                added=added)
 

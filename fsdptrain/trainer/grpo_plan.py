@@ -273,6 +273,10 @@ def check_reference_sync(config: GRPOConfig) -> None:
     if config.actor_rollout_ref.model.lora_rank:
         raise ConfigError(f"{key} with actor_rollout_ref.model.lora_rank > 0: LoRA's reference is the actor's own frozen weights "
                           "(adapters off), which the adapters train against; a moving reference needs a second model (lora_rank=0)")
+    sizes = (config.actor_rollout_ref.actor.fsdp_config.fsdp_size, ref.fsdp_config.fsdp_size)
+    if sizes[0] != sizes[1]:
+        raise ConfigError(f"{key} mixes the policy into the reference shard by shard: actor_rollout_ref.ref.fsdp_config.fsdp_size "
+                          f"({sizes[1]}) must be the actor's ({sizes[0]})")
 
 
 def wants_sampling_log_probs(config: GRPOConfig) -> bool:
@@ -313,6 +317,9 @@ def check_layout(config: GRPOConfig, world: World) -> None:
     check_fsdp_size(actor.fsdp_config.fsdp_size, world.world_size, f"{ACTOR}.fsdp_config.fsdp_size")
     if uses_critic(config):
         check_fsdp_size(config.critic.model.fsdp_config.fsdp_size, world.world_size, f"{CRITIC}.model.fsdp_config.fsdp_size")
+    check_fsdp_size(config.actor_rollout_ref.ref.fsdp_config.fsdp_size, world.world_size, "actor_rollout_ref.ref.fsdp_config.fsdp_size")
+    if config.reward_model.enable:
+        check_fsdp_size(config.reward_model.model.fsdp_config.fsdp_size, world.world_size, "reward_model.model.fsdp_config.fsdp_size")
     if world.world_size % tp:
         raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world.world_size}): "
                           "each engine spans that many consecutive ranks")
