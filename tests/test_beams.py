@@ -15,10 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fsdptrain.data.micro_batches import collate_packed
+from fsdptrain.models.attention import PACKED_ATTENTION
+from fsdptrain.models.loss import token_log_probs
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import item_ranking_verifier, item_rule_verifier, score_responses
 from fsdptrain.rl.rollout.base import Generation
 from fsdptrain.rl.rollout.hf import HFRollout
+from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import with_answers
 from fsdptrain.rl.validation import mean_and_se, ranking_values
 
@@ -92,6 +96,33 @@ def test_the_engines_beams_are_transformers_constrained_beam_search(tiny_llama, 
         mine = [g.response_ids for g in generations[4 * k : 4 * k + 4]]
         assert mine == expected[4 * k : 4 * k + 4]
         assert all(ids in sequences for ids in mine) and len({tuple(ids) for ids in mine}) == 4  # distinct catalog items
+
+
+@pytest.mark.parametrize("share_prompts", [True, False], ids=["shared-prompts", "one-row-each"])
+def test_the_trainers_log_probs_of_beams_are_a_plain_forward(tiny_llama, catalog_file, share_prompts):
+    """The beams of a batched, left-padded search made into training samples (make_samples) and forwarded as the
+    trainer forwards them (packed rows, the prompt once a group or once a response, chunked log-softmax): each
+    response token's log-prob equals a plain transformers forward of the unpadded prompt and beam."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    engine = HFRollout(tiny_llama, torch.device("cpu"), torch.float32, tokenizer.pad_token_id, beams=True, catalog_file=catalog_file)
+    prompts = [tokenizer(text)["input_ids"] for text in ("Recommend something sweet:", "Next item, please")]
+    generations = engine.generate(prompts, n=4, max_new_tokens=8, batch_size=8)
+    samples = make_samples(generations, mask_truncated=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=PACKED_ATTENTION, dtype=torch.float32)
+    batch = collate_packed(samples, share_prefixes=share_prompts)
+    with torch.no_grad():
+        log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=7, token_rows=batch.token_rows)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager")
+    start = 0
+    for generation in generations:
+        ids = generation.prompt_ids + generation.response_ids
+        with torch.no_grad():
+            expected = plain(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        prompt, response = len(generation.prompt_ids), len(generation.response_ids)
+        mine = log_probs[start + prompt - 1 : start + prompt - 1 + response]  # the log-prob of token t+1 sits at t
+        torch.testing.assert_close(mine, expected[prompt - 1 :], rtol=1e-5, atol=1e-5)
+        start += len(ids)
+    assert start == len(log_probs)
 
 
 def test_beam_settings_that_cannot_work_are_refused(catalog_file):
