@@ -125,8 +125,32 @@ def test_the_trainers_log_probs_of_beams_are_a_plain_forward(tiny_llama, catalog
     assert start == len(log_probs)
 
 
+def test_constrained_sampling_answers_with_items_and_the_trainers_log_probs(tiny_llama, catalog_file):
+    """A catalog without beams constrains sampling (temperature 1.3, top-k 50): every response is an item and an end
+    token, both sampled responses and the engine's log-prob of each token is the unconstrained softmax's (the
+    trainer's, which does not renormalize), from a plain transformers forward."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    engine = HFRollout(tiny_llama, torch.device("cpu"), torch.float32, tokenizer.pad_token_id, catalog_file=catalog_file)
+    prompts = [tokenizer(text)["input_ids"] for text in ("Recommend something sweet:", "Next item, please")]
+    torch.manual_seed(0)
+    generations = engine.generate(prompts, n=16, max_new_tokens=8, batch_size=32, temperature=1.3, top_k=50, calculate_log_probs=True)
+    end = tokenizer.eos_token_id
+    sequences = [tokenizer(item, add_special_tokens=False)["input_ids"] + [end] for item in ITEMS]
+    assert all(g.response_ids in sequences for g in generations)
+    assert len({tuple(g.response_ids) for g in generations}) > 2  # sampled, not one greedy answer
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    for g in generations:
+        ids = g.prompt_ids + g.response_ids
+        with torch.no_grad():
+            expected = (plain(torch.tensor([ids])).logits[0, :-1] / 1.3).log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(g.log_probs), expected[len(g.prompt_ids) - 1 :], rtol=1e-5, atol=1e-5)
+
+
 def test_beam_settings_that_cannot_work_are_refused(catalog_file):
-    assert "catalog_file constrains beam search" in grpo_config_problems(f"actor_rollout_ref.rollout.catalog_file={catalog_file}")
+    assert "the hf engine's decoding: actor_rollout_ref.rollout.name=vllm" in grpo_config_problems(
+        f"actor_rollout_ref.rollout.catalog_file={catalog_file}", "actor_rollout_ref.rollout.name=vllm")
+    assert "the catalog constrains a one-turn answer" in grpo_config_problems(f"actor_rollout_ref.rollout.catalog_file={catalog_file}",
+                                                                               "actor_rollout_ref.rollout.multi_turn.enable=true")
     assert "runs on the hf engine" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true", "actor_rollout_ref.rollout.name=vllm")
     assert "gives no sampling log-probs" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true",
                                                                  "actor_rollout_ref.rollout.calculate_log_probs=true")
@@ -167,6 +191,27 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
             assert len({tuple(r["response_ids"]) for r in group}) == 4
             answer = tokenizer(str(group[0]["ground_truth"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             assert answer in [r["response_ids"] for r in group]  # add_gt: the ground truth is in every group
+
+
+@pytest.mark.slow
+def test_grpo_samples_constrained_to_a_catalog(tmp_path, tiny_llama, rl_data):  # noqa: F811
+    """Sampling (not beams) constrained to the arithmetic answers and some distractors: every response of the
+    run is a catalog item and an end token, and the engine's log-probs are the trainer's (no renormalization on
+    either side: their largest difference stays at rounding)."""
+    answers = sorted({str(row["reward_model"]["ground_truth"]) for row in pq.read_table(rl_data / "rl_train.parquet").to_pylist()})
+    catalog = tmp_path / "answers.txt"
+    catalog.write_text("\n".join([*answers, "0", "1", "2", "3"]) + "\n")
+    out = str(tmp_path / "run")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__rollout__catalog_file=str(catalog),
+                                                    actor_rollout_ref__rollout__calculate_log_probs="true", data__val_files="null",
+                                                    trainer__rollout_data_dir=f"{out}/rollouts"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    items = {tuple(tokenizer(item, add_special_tokens=False)["input_ids"]) for item in catalog.read_text().split()}
+    for step in (1, 2):
+        for row in (json.loads(line) for line in open(os.path.join(out, "rollouts", f"{step}.jsonl"))):
+            assert tuple(row["response_ids"][:-1]) in items and row["response_ids"][-1] == tokenizer.eos_token_id, row["response_ids"]
+    for m in read_metrics(out):
+        assert m["training/rollout_probs_diff_max"] < 1e-4
 
 
 def test_hit_rate_and_ndcg_are_calc_pys():

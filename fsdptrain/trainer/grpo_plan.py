@@ -287,8 +287,13 @@ def wants_sampling_log_probs(config: GRPOConfig) -> bool:
 
 def check_beam_search(config: GRPOConfig) -> None:
     rollout, key = config.actor_rollout_ref.rollout, f"{ROLLOUT}.beam_search=true"
-    if rollout.catalog_file and not rollout.beam_search:
-        raise ConfigError(f"{ROLLOUT}.catalog_file constrains beam search: set {key} (constrained sampling is not built)")
+    if rollout.catalog_file:
+        if rollout.name != "hf":
+            raise ConfigError(f"{ROLLOUT}.catalog_file constrains the hf engine's decoding: {ROLLOUT}.name={rollout.name} takes no prefix "
+                              "constraint here (set rollout.name=hf)")
+        if rollout.multi_turn.enable:
+            raise ConfigError(f"{ROLLOUT}.catalog_file with {ROLLOUT}.multi_turn.enable=true: the catalog constrains a one-turn answer")
+        read_catalog(rollout.catalog_file, f"{ROLLOUT}.catalog_file")
     if not rollout.beam_search:
         return
     if rollout.name != "hf":
@@ -298,8 +303,6 @@ def check_beam_search(config: GRPOConfig) -> None:
     if wants_sampling_log_probs(config):
         raise ConfigError(f"{key} gives no sampling log-probs (a beam is not sampled): set {ROLLOUT}.calculate_log_probs=false "
                           "and leave algorithm.rollout_correction off")
-    if rollout.catalog_file:
-        read_catalog(rollout.catalog_file, f"{ROLLOUT}.catalog_file")
 
 
 def check_add_gt(config: GRPOConfig) -> None:

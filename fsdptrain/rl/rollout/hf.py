@@ -1,7 +1,7 @@
 """Rollouts on every rank from a plain (unsharded) transformers copy of the policy that the trainer refreshes after
 each update: transformers' model, cache and sampling processors, driven by a decoding loop of our own (prompts
-prefilled once for their n responses, one uniform a sampled token, ended responses no longer forwarded). Runs
-wherever transformers runs."""
+prefilled once for their n responses, one uniform a sampled token, ended responses no longer forwarded; with a
+catalog, every response one of its items). Runs wherever transformers runs."""
 
 import inspect
 from collections.abc import Iterable, Iterator, Sequence
@@ -72,12 +72,27 @@ def draw(scores: torch.Tensor, do_sample: bool) -> tuple[torch.Tensor, torch.Ten
     return tokens.squeeze(1), (scores.gather(1, tokens) - top - weights.sum(-1, keepdim=True).log()).squeeze(1)
 
 
+def constrained_draw(logits: torch.Tensor, done: torch.Tensor, tree: dict[tuple[int, ...], list[int]], end_ids: list[int],
+                     warp: LogitsProcessorList, do_sample: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw` among the tokens that continue a catalog item after each row's `done` tokens (the prefix tree of
+    rollout/beams.py, applied before the sampling processors, as generate's prefix constraint is), with each drawn
+    token's log-prob as the trainer computes it: the softmax at `temperature` over the whole vocabulary, not
+    renormalized over the allowed tokens (MiniOneRec's choice; rollout/beams.py) nor over top-k / top-p."""
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    for row, prefix in enumerate(done.tolist()):
+        allowed[row, tree.get(tuple(prefix), end_ids)] = True
+    tokens, _ = draw(warp(None, logits.masked_fill(~allowed, float("-inf"))), do_sample)
+    return tokens, (logits / temperature).log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+
+
 @torch.no_grad()
 def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-           end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+           end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool,
+           tree: dict[tuple[int, ...], list[int]] | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, log-probs), each (rows, max_new_tokens), decoded from each row's next-token `logits` after its
-    left-padded prompt, whose keys and values `cache` holds. A row ends at its first end token (pad after it);
-    only the rows still going are forwarded, their cache entries selected as the others end."""
+    left-padded prompt, whose keys and values `cache` holds; with a catalog's prefix `tree`, every response is one
+    of its items. A row ends at its first end token (pad after it); only the rows still going are forwarded, their
+    cache entries selected as the others end."""
     rows, device = logits.shape[0], logits.device
     tokens = torch.full((rows, max_new_tokens), pad_id, device=device)
     log_probs = torch.zeros(rows, max_new_tokens, device=device)
@@ -86,7 +101,10 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
     positions = attention_mask.sum(-1)  # the next token's position: the row's count of real tokens
     keyword = cache_keyword(model)
     for step in range(max_new_tokens):
-        chosen, chosen_log_probs = draw(warp(None, logits.float()), do_sample)
+        if tree is None:
+            chosen, chosen_log_probs = draw(warp(None, logits.float()), do_sample)
+        else:
+            chosen, chosen_log_probs = constrained_draw(logits.float(), tokens[live, :step], tree, end_ids, warp, do_sample, temperature)
         tokens[live, step], log_probs[live, step] = chosen, chosen_log_probs
         going = ~torch.isin(chosen, ends)
         if step == max_new_tokens - 1 or not going.any():
@@ -106,7 +124,7 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
 def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
     pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, do_sample: bool = True,
-    calculate_log_probs: bool = False,
+    calculate_log_probs: bool = False, tree: dict[tuple[int, ...], list[int]] | None = None,
 ) -> list[Generation]:
     """`n` responses to each prompt (n in a row), in left-padded batches. Each distinct prompt of a batch is
     prefilled once and its key/value cache copied to its responses: on a CPU, prefilling n copies of a prompt costs
@@ -126,7 +144,8 @@ def generate(
         cache = prefill[cache_keyword(model)]
         cache.batch_repeat_interleave(copies)
         tokens, log_probs = decode(model, cache, prefill.logits[:, -1].repeat_interleave(copies, 0),
-                                   attention_mask.repeat_interleave(copies, 0), max_new_tokens, end_ids, pad_id, warp, do_sample)
+                                   attention_mask.repeat_interleave(copies, 0), max_new_tokens, end_ids, pad_id, warp, do_sample, tree,
+                                   temperature)
         batch = [ids for ids in distinct for _ in range(copies)]
         for row, ids in enumerate(tokens.tolist()):
             end = next((i for i, token in enumerate(ids) if token in end_ids), None)
@@ -163,7 +182,7 @@ class HFRollout:
                     for prompt, response, truncated in beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog,
                                                                            batch_size)]
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
-                        calculate_log_probs)
+                        calculate_log_probs, self.catalog)
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
