@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdptrain.errors import ConfigError
-from fsdptrain.models.added_tokens import read_added_tokens
+from fsdptrain.models.added_tokens import add_model_tokens, grow_embeddings, read_added_tokens
 
 from conftest import REPO, assert_same_run, grpo_config_problems, run_sft, save_tiny_model, torchrun
 from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
@@ -75,6 +76,28 @@ def test_the_tokens_of_an_index_or_a_list(tmp_path):
                           ("none.txt", "does not exist")):
         with pytest.raises(ConfigError, match=message):
             read_added_tokens(str(tmp_path / name), "model.added_tokens_file")
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_added_rows_from_their_pieces(tmp_path, tokenizer, catalog, tied):
+    """added_tokens_init=pieces: each new token's row (input embedding and untied output layer) is the mean of the
+    rows of the old tokens its text was split into; the old rows are untouched."""
+    folder = save_tiny_model(tmp_path / "model", "qwen2", tokenizer, tie_word_embeddings=tied)
+    grown = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    before = [m.weight.detach().clone() for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+    added = add_model_tokens(SimpleNamespace(added_tokens_file=catalog["index"], added_tokens_init="pieces"), "model", grown, model.config)
+    grow_embeddings(model, model.config.vocab_size, added, seed=0)
+    old = AutoTokenizer.from_pretrained(folder)
+    assert added.new_ids == grown.convert_tokens_to_ids(tokens_of(catalog))
+    for matrix, original in zip((model.get_input_embeddings().weight, model.get_output_embeddings().weight), before):
+        assert torch.equal(matrix[: len(original)], original)
+        for token in tokens_of(catalog):
+            pieces = old(token, add_special_tokens=False)["input_ids"]
+            assert len(pieces) > 1
+            torch.testing.assert_close(matrix[grown.convert_tokens_to_ids(token)], original[pieces].mean(0), rtol=0, atol=1e-7)
+    rows = model.get_input_embeddings().weight[added.new_ids]
+    assert torch.cdist(rows, rows).add(torch.eye(len(rows))).min() > 1e-3  # distinct from the start (mean_resizing's are ~1e-9 apart)
 
 
 def test_freeze_llm_needs_added_tokens_and_no_adapters():

@@ -69,6 +69,7 @@ class LanguageModelConfig(ModelConfig):
     chunked_loss_tokens: int
     use_liger: bool
     added_tokens_file: str | None  # tokens the tokenizer and the token matrices gain (models/added_tokens.py)
+    added_tokens_init: str  # their new rows: mean (transformers' mean_resizing) | pieces (the mean of their text's old tokens)
     freeze_llm: bool  # MiniOneRec's freeze_LLM: only the added tokens' rows train
     lora_rank: int
     lora_alpha: float
@@ -88,6 +89,7 @@ def validate_model(model: ModelConfig, prefix: str) -> None:
     if isinstance(model, LanguageModelConfig):
         if model.chunked_loss_tokens < 0:
             raise ConfigError(f"{prefix}.chunked_loss_tokens must be >= 0 (0: full logits), got {model.chunked_loss_tokens}")
+        one_of(f"{prefix}.added_tokens_init", model.added_tokens_init, ("mean", "pieces"))
         if model.freeze_llm and not model.added_tokens_file:
             raise ConfigError(f"{prefix}.freeze_llm=true trains the added tokens' rows alone: name them with {prefix}.added_tokens_file")
         if model.freeze_llm and model.lora_rank:

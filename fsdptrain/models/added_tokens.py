@@ -6,8 +6,12 @@ or a text file, one token a line. The tokenizer gains the distinct ones not yet 
 strings, as ordinary tokens (MiniOneRec's `add_tokens`); it is saved with every checkpoint and export, so a run
 from that export (GRPO after SFT) finds them there and adds nothing. The input embedding (and an untied output
 layer) grows before sharding to hold every token id; a newly added token's row is drawn as transformers'
-`mean_resizing` draws it: the old tokens' mean row plus noise of 1e-9 times their covariance, from a generator of
-the run's seed so that every model built for the run (and every rank) draws the same rows.
+`mean_resizing` draws it (`added_tokens_init: mean`): the old tokens' mean row plus noise of 1e-9 times their
+covariance, from a generator of the run's seed so that every model built for the run (and every rank) draws the
+same rows. Those rows are all but equal, so the model tells the new tokens apart only as far as training has moved
+them; `added_tokens_init: pieces` makes each new row the mean of the rows of the pieces that the tokenizer split
+the token's text into before it was added (`<a_3>`: `<`, `a`, `_`, `3`, `>`), so that `<a_3>` and `<a_4>` differ
+from the start, as a pretrained model's digits do.
 
 `freeze_llm`: every parameter is frozen but the input embedding and the output layer, of which only the rows of
 the file's tokens train: by their ids, whatever the row count (a padded matrix holds rows past the tokenizer).
@@ -70,6 +74,7 @@ class AddedTokens:
     old_tokens: int  # the tokenizer's size before
     new_ids: list[int]  # tokens added now: their rows are drawn
     ids: list[int]  # every token of the file: the rows freeze_llm trains
+    pieces: list[list[int]] | None  # added_tokens_init=pieces: each new token's text as old token ids; None: mean_resizing
 
 
 def add_model_tokens(model: LanguageModelConfig, key: str, tokenizer: PreTrainedTokenizerBase,
@@ -80,10 +85,12 @@ def add_model_tokens(model: LanguageModelConfig, key: str, tokenizer: PreTrained
         return None
     tokens = read_added_tokens(model.added_tokens_file, f"{key}.added_tokens_file")
     old_tokens, pretrained_rows = len(tokenizer), hf_config.vocab_size
-    tokenizer.add_tokens([token for token in tokens if token not in tokenizer.get_vocab()])
+    new = [token for token in tokens if token not in tokenizer.get_vocab()]
+    pieces = [tokenizer(token, add_special_tokens=False)["input_ids"] for token in new] if model.added_tokens_init == "pieces" else None
+    tokenizer.add_tokens(new)
     ids = tokenizer.convert_tokens_to_ids(tokens)
     hf_config.vocab_size = max(pretrained_rows, len(tokenizer))
-    return AddedTokens(pretrained_rows, old_tokens, list(range(old_tokens, len(tokenizer))), ids)
+    return AddedTokens(pretrained_rows, old_tokens, tokenizer.convert_tokens_to_ids(new), ids, pieces)
 
 
 def output_matrices(model: nn.Module) -> list[nn.Parameter]:
@@ -96,11 +103,17 @@ def output_matrices(model: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def grow_embeddings(model: PreTrainedModel, rows: int, new_ids: list[int], old_tokens: int, seed: int) -> None:
-    """`model`'s token matrices grown to `rows` (if fewer), and the rows of `new_ids` drawn from the first
-    `old_tokens` rows' mean and covariance (transformers' mean_resizing)."""
+def grow_embeddings(model: PreTrainedModel, rows: int, added: AddedTokens, seed: int) -> None:
+    """`model`'s token matrices grown to `rows` (if fewer), and the rows of the `added` tokens that are new drawn
+    from the old rows' mean and covariance (transformers' mean_resizing), or the mean of their pieces' rows."""
     if model.get_input_embeddings().weight.shape[0] < rows:
         model.resize_token_embeddings(rows, mean_resizing=False)
+    new_ids, old_tokens = added.new_ids, added.old_tokens
+    if added.pieces is not None:
+        for matrix in output_matrices(model):
+            for token, pieces in zip(new_ids, added.pieces):
+                matrix[token] = matrix[pieces].float().mean(0).to(matrix.dtype)
+        return
     generator = torch.Generator().manual_seed(seed)
     for matrix in output_matrices(model):
         old = matrix[:old_tokens].float()

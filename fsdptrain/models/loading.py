@@ -118,7 +118,7 @@ def load_pretrained(path: str, config: ModelConfig, hf_config: PretrainedConfig,
         pretrained_config.vocab_size = added.pretrained_rows
     pretrained = auto_class.from_pretrained(path, config=pretrained_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
     if added is not None:
-        grow_embeddings(pretrained, hf_config.vocab_size, added.new_ids, added.old_tokens, seed)
+        grow_embeddings(pretrained, hf_config.vocab_size, added, seed)
     if lora is not None:
         add_adapters(pretrained, lora, seed)
     return pretrained
