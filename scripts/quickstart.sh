@@ -7,8 +7,8 @@
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38 in bf16, 30 in fp32), GRPO_PROMPTS
-# (prompts per step, 40 in bf16, 32 in fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process: 64 in bf16,
-# 32 in fp32), TEST_ROWS (600 in bf16, 1000 in fp32), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
+# (prompts per step, 40 in bf16, 24 in fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process: 64 in bf16,
+# 16 in fp32), TEST_ROWS (600 in bf16, 1000 in fp32), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
 # machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where bf16 is emulated:
 # `python -m fsdptrain.dtypes` says which), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
@@ -17,12 +17,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC proc
 bash scripts/setup.sh smollm2
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
 # fp32 steps take two to three times as long as native bf16's, and their activations twice the memory: 30 GRPO steps
-# of 32 prompts (in bf16, step 30 of 40 prompts held 0.80 or more on three seeds' validation splits, docs/results.md)
-# keep the run under 30 minutes; glibc's kept memory (trainer.cpu_speedups.keep_freed_host_memory) would grow each
-# GRPO process by about 1 GB over the run for 5% of its step, so in fp32 it is off and both processes stay under
-# 12 GB. Fewer steps gain less over SFT: 1000 held-out problems measure the gain to a smaller standard error.
-if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=30 DEFAULT_PROMPTS=32 DEFAULT_MICRO=32 DEFAULT_TEST=1000 KEEP_FREED=false
-else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_MICRO=64 DEFAULT_TEST=600 KEEP_FREED=true; fi
+# of 24 prompts (in bf16, step 30 of 40 prompts held 0.80 or more on three seeds' validation splits, docs/results.md)
+# keep the run under 30 minutes: the step is compute-bound, its time the generation and the update of the groups
+# that teach something. Forwards of 16 samples keep both processes under 12 GB (the gradient is the same whatever
+# the micro-batch). 1000 held-out problems measure the smaller gain of fewer steps to a smaller standard error.
+if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=30 DEFAULT_PROMPTS=24 DEFAULT_MICRO=16 DEFAULT_TEST=1000
+else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_MICRO=64 DEFAULT_TEST=600; fi
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
 GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
 GRPO_MICRO=${GRPO_MICRO:-$DEFAULT_MICRO} NPROC=${NPROC:-2}
@@ -55,7 +55,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((GRPO_PROMPTS * 8 / NPROC)) \
     trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \
-    trainer.cpu_speedups.keep_freed_host_memory="$KEEP_FREED" ${GRPO_ARGS:-}
+    ${GRPO_ARGS:-}
 GRPO_MODEL="$WORK/grpo/global_step_$GRPO_STEPS/huggingface"
 
 echo "== Evaluation on $TEST_ROWS held-out problems (greedy)"
