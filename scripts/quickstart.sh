@@ -21,7 +21,7 @@ DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and
 # keep the run under 30 minutes: the step is compute-bound, its time the generation and the update of the groups
 # that teach something. Forwards of 16 samples keep both processes under 12 GB (the gradient is the same whatever
 # the micro-batch). 1000 held-out problems measure the smaller gain of fewer steps to a smaller standard error.
-if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=30 DEFAULT_PROMPTS=24 DEFAULT_MICRO=16 DEFAULT_TEST=1000
+if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=38 DEFAULT_PROMPTS=24 DEFAULT_MICRO=16 DEFAULT_TEST=1000
 else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_MICRO=64 DEFAULT_TEST=600; fi
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
 GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
