@@ -6,7 +6,7 @@
 # (docs/results.md has the results).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
-# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38 in bf16, 30 in fp32), GRPO_PROMPTS
+# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS
 # (prompts per step, 40 in bf16, 24 in fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process: 64 in bf16,
 # 16 in fp32), TEST_ROWS (600 in bf16, 1000 in fp32), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
 # machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where bf16 is emulated:
@@ -16,11 +16,11 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
 bash scripts/setup.sh smollm2
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
-# fp32 steps take two to three times as long as native bf16's, and their activations twice the memory: 30 GRPO steps
-# of 24 prompts (in bf16, step 30 of 40 prompts held 0.80 or more on three seeds' validation splits, docs/results.md)
-# keep the run under 30 minutes: the step is compute-bound, its time the generation and the update of the groups
-# that teach something. Forwards of 16 samples keep both processes under 12 GB (the gradient is the same whatever
-# the micro-batch). 1000 held-out problems measure the smaller gain of fewer steps to a smaller standard error.
+# fp32 steps take two to three times as long as native bf16's, and their activations twice the memory: GRPO steps
+# of 24 prompts keep the run under 30 minutes (the step is compute-bound, its time the generation and the update of
+# the groups that teach something; 30 such steps ended a seed at 0.798, docs/results.md). Forwards of 16 samples keep
+# both processes under 12 GB (the gradient is the same whatever the micro-batch). 1000 held-out problems measure the
+# smaller gain of smaller steps to a smaller standard error.
 if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=38 DEFAULT_PROMPTS=24 DEFAULT_MICRO=16 DEFAULT_TEST=1000
 else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_MICRO=64 DEFAULT_TEST=600; fi
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
