@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForTokenClassification, PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdptrain.config.grpo import GRPOConfig
-from fsdptrain.config.shared import ModelConfig
+from fsdptrain.config.grpo import GRPOConfig, RefFSDPConfig
+from fsdptrain.config.shared import FSDPConfig, ModelConfig
 from fsdptrain.data.dataset import Sample, check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
 from fsdptrain.distributed.mesh import Parallel, World, world_from_environment
@@ -374,6 +374,12 @@ def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer) -> list[Bat
     return sources
 
 
+def frozen_fsdp(config: GRPOConfig, own: RefFSDPConfig) -> FSDPConfig:
+    """A frozen model's FSDP settings (the reference's, the reward model's): the actor's dtypes and resharding, with
+    its own CPU offload and shard group size."""
+    return replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=own.cpu_offload, fsdp_size=own.fsdp_size)
+
+
 def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer) -> RewardModel:
     """reward_model.*: the sequence-classification checkpoint as a frozen, sharded token-classification model."""
     settings, trainer = config.reward_model, config.trainer
@@ -383,10 +389,8 @@ def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer)
     if hf_config.num_labels != 1:
         raise ConfigError(f"reward_model.model.path={settings.model.path!r} has {hf_config.num_labels} labels: a reward model has one")
     tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
-    fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=settings.model.fsdp_config.cpu_offload,
-                   fsdp_size=settings.model.fsdp_config.fsdp_size)
-    model = build_sharded_model(settings.model.path, model_config, fsdp, hf_config, trainer, parallel, settings.model.use_remove_padding,
-                                trainable=False, auto_class=AutoModelForTokenClassification)
+    model = build_sharded_model(settings.model.path, model_config, frozen_fsdp(config, settings.model.fsdp_config), hf_config, trainer,
+                                parallel, settings.model.use_remove_padding, trainable=False, auto_class=AutoModelForTokenClassification)
     offload = PhaseOffload(model, None, settings.model.fsdp_config.param_offload, False, parallel.device)
     offload.leave()
     batching = MicroBatching(settings.micro_batch_size_per_gpu, False, None, "reward_model.micro_batch_size_per_gpu", "", "")
@@ -420,10 +424,8 @@ def build_reference(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, hf_c
     model = config.actor_rollout_ref.model
     if not plan.needs_reference or model.lora_rank:
         return None
-    ref = config.actor_rollout_ref.ref.fsdp_config
-    ref_fsdp = replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=ref.cpu_offload, fsdp_size=ref.fsdp_size)
-    return build_sharded_model(model.path, model, ref_fsdp, hf_config, config.trainer, parallel, model.use_remove_padding, trainable=False,
-                               added=added)
+    return build_sharded_model(model.path, model, frozen_fsdp(config, config.actor_rollout_ref.ref.fsdp_config), hf_config, config.trainer,
+                               parallel, model.use_remove_padding, trainable=False, added=added)
 
 
 def answer_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Prompt], list[int]]:
