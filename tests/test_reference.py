@@ -1,6 +1,6 @@
 """The trainer against a loop written without the project's code: a plain Hugging Face model, the chat template,
-F.cross_entropy over the assistant tokens, torch.optim.AdamW and a clip on the fp64 gradient norm. A bug shared by both sides of
-a layout comparison (a constant factor in the gradient, a mask off by one) cannot cancel here."""
+F.cross_entropy over the assistant tokens, torch.optim.AdamW and a clip on the fp64 gradient norm. A bug shared by
+both sides of a layout comparison (a constant factor in the gradient, a mask off by one) cannot cancel here."""
 
 import os
 
