@@ -76,6 +76,7 @@ def run_fsdptrain(system: str, args) -> dict:
             "first_loss_expected": expected_first_loss([(r["advantage"], r["response_length"]) for r in rows]),
             "probs_diff_max": max((m.get("training/rollout_probs_diff_max", float("nan")) for m in metrics), default=float("nan")),
             "cuda_peak_gb": max(m["perf/max_memory_gb"] for m in metrics) if torch.cuda.is_available() else None,
+            "cuda_at_gen_gb": max(m["perf/memory_at_gen_gb"] for m in metrics) if torch.cuda.is_available() else None,
             "checkpoint_mb": checkpoint_mb(out) if args.checkpoint_size else None, **memory}
 
 
@@ -194,7 +195,7 @@ def summary(result: dict) -> dict:
 def table(results: dict) -> str:
     base = results.get("fsdptrain-vllm") or results.get("fsdptrain-hf")
     lines = ["| system | step s | vs fsdptrain | gen s | greedy gen s (ReMax) | old log-prob s | update s | sync s (share) | gen tok/s "
-             "| trained tok/s | peak GB/process | CUDA peak GB | reward, last step | first loss (expected) | engine prob diff max | checkpoint MB |",
+             "| trained tok/s | peak GB/process | CUDA peak GB (held at gen) | reward, last step | first loss (expected) | engine prob diff max | checkpoint MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for system, r in results.items():
         if "error" in r:
@@ -205,6 +206,8 @@ def table(results: dict) -> str:
         diff = r.get("probs_diff_max", float("nan"))  # TRL logs its engine's agreement only with its correction on
         checkpoint = f"{r['checkpoint_mb']:.1f}" if r.get("checkpoint_mb") is not None else ""
         cuda_peak = f"{r['cuda_peak_gb']:.1f}" if r.get("cuda_peak_gb") is not None else ""
+        if r.get("cuda_at_gen_gb") is not None:
+            cuda_peak += f" ({r['cuda_at_gen_gb']:.1f})"
         lines.append(f"| {system} | {s['step_s']:.1f} | {ratio:.2f}x | {s['gen_s']:.1f} | {s['greedy_s']:.1f} | {s['old_log_prob_s']:.1f} "
                      f"| {s['update_s']:.1f} "
                      f"| {s['sync_s']:.2f} ({s['sync_s'] / s['step_s']:.0%}) | {s['generated_tokens_per_s']:.0f} "

@@ -211,3 +211,4 @@ def test_grpo_with_every_offload_key_runs_on_cuda(tmp_path, tiny_llama, rl_data)
         runs[name] = read_metrics(out)
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
         assert runs["offloaded"][0][key] == pytest.approx(runs["plain"][0][key], abs=1e-6), key
+    assert runs["offloaded"][1]["perf/memory_at_gen_gb"] < runs["plain"][1]["perf/memory_at_gen_gb"]  # AdamW's moments exist from step 2

@@ -51,7 +51,7 @@ from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, fit_prompts, flatten
 from fsdptrain.rl.validation import validate_on_ranks
 from fsdptrain.trainer.grpo_plan import GRPOPlan, plan_grpo
-from fsdptrain.trainer.runtime import peak_memory_gb
+from fsdptrain.trainer.runtime import memory_held_gb, peak_memory_gb
 from fsdptrain.trainer.setup import (
     Run,
     StepTimer,
@@ -156,7 +156,11 @@ class GRPOStep:
             self.actor_offload.leave()
             if self.critic_offload is not None:
                 self.critic_offload.leave()
-            return self.sampler.next_groups()
+            held = memory_held_gb(self.actor.parallel.device)
+            groups, metrics = self.sampler.next_groups()
+        if held is not None:
+            metrics["perf/memory_at_gen_gb"] = max_over_ranks(held, self.actor.parallel.device)
+        return groups, metrics
 
     def reference_log_probs(self, samples: list[Sample], timer: StepTimer) -> None:
         with timer("ref"), adapters_disabled(self.reference):

@@ -83,3 +83,11 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_held_gb(device: torch.device) -> float | None:
+    """Accelerator memory allocated now (what the phases before this one left on it); None on CPU, whose figure
+    would be the process's whole resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    return None
