@@ -161,7 +161,7 @@ def test_grpo_runs_on_cuda_with_the_engine_agreeing(tmp_path, tiny_llama, rl_dat
 
 
 def test_hf_engine_sleeps_off_the_gpu_and_wakes_unchanged(tiny_llama):
-    """Asleep, the HF engine's weights leave the GPU; awake, they are back bit for bit (greedy answers too), and a
+    """Asleep, the HF engine's weights' bytes leave the GPU for pinned host buffers; awake, they are back bit for bit (greedy answers too), and a
     second sleep reuses the first one's host buffers; weights sent after waking are the ones it generates with.
     With free_cache_engine=false it stays on the GPU."""
     engine = HFRollout(tiny_llama, torch.device("cuda"), torch.bfloat16, pad_id=0)
@@ -175,11 +175,12 @@ def test_hf_engine_sleeps_off_the_gpu_and_wakes_unchanged(tiny_llama):
     weight_bytes = sum(t.numel() * t.element_size() for t in engine._tensors().values())
     for _ in range(2):
         engine.sleep()
-        assert all(t.device.type == "cpu" and t.is_pinned() for t in engine.model.state_dict().values())
+        assert all(t.untyped_storage().nbytes() == 0 for t in engine._tensors().values())
+        assert all(b.is_pinned() for b in engine.parked.buffers)
         assert torch.cuda.memory_allocated() <= awake_bytes - weight_bytes * 0.9
-        parked = [t.data_ptr() for t in engine.parked.values()]
+        parked = [b.data_ptr() for b in engine.parked.buffers]
         engine.wake_up()
-        assert [t.data_ptr() for t in engine.parked.values()] == parked
+        assert [b.data_ptr() for b in engine.parked.buffers] == parked
         assert all(torch.equal(t, before[name]) and t.is_cuda for name, t in engine.model.state_dict().items())
         assert answers() == greedy
     engine.sleep()

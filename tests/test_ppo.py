@@ -102,7 +102,7 @@ def check_same_steps(hybrid: list[dict], full: list[dict]) -> None:
 @pytest.mark.slow
 def test_offload_between_phases_trains_exactly_as_without(tmp_path, tiny_llama, rl_data):  # noqa: F811
     """verl's param_offload / optimizer_offload on the actor, its reference (KL loss) and the critic: on a CPU
-    device nothing moves, but every move of a step is made; the metrics are those of the run without them, bit for
+    device nothing moves (the next test parks on CPU what would move); the metrics are those of the run without them, bit for
     bit. (On a GPU, tests/test_cuda.py shows the device memory released.)"""
     runs = {}
     for name, extra in (("plain", {}), ("offloaded", EVERY_OFFLOAD)):
@@ -112,6 +112,14 @@ def test_offload_between_phases_trains_exactly_as_without(tmp_path, tiny_llama, 
         runs[name] = [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in read_metrics(out)]
     assert len(runs["plain"]) == 2 and "actor/kl_loss" in runs["plain"][1]
     assert runs["offloaded"] == runs["plain"]
+
+
+def test_offload_parks_fsdp2_shards_and_adamw_state_in_host_buffers(tiny_llama):
+    """What a departure does on a GPU, here on three CPU processes (uneven shards, so FSDP2's padding is parked
+    too): the parameter shards' and AdamW's storages are freed and their bytes come back bit for bit; three steps
+    with the parking equal three without (tests/checks/offload_check.py, which test_cuda.py runs on nccl)."""
+    result = torchrun(3, "tests.checks.offload_check", [tiny_llama])
+    assert "offload check passed" in result.stdout
 
 
 @pytest.mark.slow

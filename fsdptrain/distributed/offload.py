@@ -4,42 +4,83 @@ back for those phases, whose forward, backward and optimizer step run on the acc
 accelerator's memory is then free for the phases that need it most: the rollout engine's key/value cache, the
 other models' passes.
 
+A departure copies each tensor's whole storage into a pinned host buffer made at the first departure and reused,
+then frees the storage on the accelerator (resized to nothing); a return gives it back its bytes and copies them in.
+The tensors themselves stay where they are, so FSDP2's sharded parameters and the optimizer's state keep their
+identity, their device and their padding, and nothing but the bytes moves. (`module.to("cpu")` would copy into
+pageable memory allocated afresh each time: about 1 GB/s.)
+
 FSDP2's CPUOffloadPolicy (`fsdp_config.cpu_offload`, verl's `offload_policy`) is another thing: there the shards
 live in host memory for good, each layer is copied in for its passes and the optimizer steps on the CPU.
 
-On a CPU device every move is to where the tensors already are: nothing moves.
+On a CPU device nothing moves.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-HOST = torch.device("cpu")
-
-
-def move_parameters(model: nn.Module, device: torch.device) -> None:
-    """The model's parameter shards, their gradients and its buffers onto `device` (FSDP2 keeps its sharded
-    parameters across the move)."""
-    model.to(device)
-    release_cached(device)
+from torch.distributed.tensor import DTensor
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """The optimizer's state tensors onto `device`, AdamW's step counts aside (they stay where the optimizer keeps
-    them)."""
-    for state in optimizer.state.values():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor) and name != "step":
-                state[name] = value.to(device, non_blocking=True)
-    release_cached(device)
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def release_cached(device: torch.device) -> None:
-    """After a move to the host, hand the freed accelerator blocks back, so that another phase can have them."""
-    if device == HOST and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage under `tensor` (an FSDP2 shard's padding included)."""
+    storage = local_tensor(tensor).untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@dataclass
+class HostCopies:
+    """Pinned host buffers for a list of accelerator tensors' storages, by position in the list (the order of a
+    model's parameters and an optimizer's state is fixed), made once and remade only where a storage's size
+    changed (an optimizer's state appears after its first step)."""
+
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # each storage's bytes while it is away
+
+    def park(self, tensors: list[torch.Tensor]) -> None:
+        pointers = [local_tensor(t).untyped_storage().data_ptr() for t in tensors]
+        shared = len({p for p in pointers if p}) < sum(1 for p in pointers if p)
+        assert not shared, "two offloaded tensors share a storage: parking one would free the other's bytes"
+        self.sizes = []
+        for i, tensor in enumerate(tensors):
+            data = storage_bytes(tensor)
+            if i == len(self.buffers):
+                self.buffers.append(torch.empty(0, dtype=torch.uint8))
+            if self.buffers[i].numel() != data.numel():
+                self.buffers[i] = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self.buffers[i].copy_(data, non_blocking=True)
+            # The copy is queued on the current stream, as is any later use of the freed blocks: no wait needed.
+            local_tensor(tensor).untyped_storage().resize_(0)
+            self.sizes.append(data.numel())
+
+    def restore(self, tensors: list[torch.Tensor]) -> None:
+        assert len(tensors) == len(self.sizes), "the tensors parked and those restored differ"
+        for tensor, buffer, size in zip(tensors, self.buffers, self.sizes):
+            local_tensor(tensor).untyped_storage().resize_(size)
+            storage_bytes(tensor).copy_(buffer, non_blocking=True)
+        self.sizes = []
+
+
+def parameters_and_gradients(model: nn.Module) -> list[torch.Tensor]:
+    return [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """AdamW's moments and the like; its step counts aside (they stay where the optimizer keeps them)."""
+    return [value for state in optimizer.state.values() for name, value in state.items()
+            if isinstance(value, torch.Tensor) and name != "step"]
+
+
+def release_cached() -> None:
+    """After a departure, hand the freed accelerator blocks back, so that another phase (an inference engine with
+    its own allocator) can have them."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 @dataclass
@@ -53,17 +94,29 @@ class PhaseOffload:
     params: bool
     optimizer_state: bool
     device: torch.device
+    parked_params: HostCopies = field(default_factory=HostCopies)
+    parked_optimizer: HostCopies = field(default_factory=HostCopies)
+    params_away: bool = False
+    optimizer_away: bool = False
 
     def leave(self) -> None:
-        if self.params:
-            move_parameters(self.model, HOST)
-        if self.optimizer_state and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, HOST)
+        if self.device.type == "cpu":
+            return
+        if self.params and not self.params_away:
+            self.parked_params.park(parameters_and_gradients(self.model))
+            self.params_away = True
+        if self.optimizer_state and self.optimizer is not None and not self.optimizer_away:
+            self.parked_optimizer.park(optimizer_state(self.optimizer))
+            self.optimizer_away = True
+        if self.params_away or self.optimizer_away:
+            release_cached()
 
     def params_back(self) -> None:
-        if self.params:
-            move_parameters(self.model, self.device)
+        if self.params_away:
+            self.parked_params.restore(parameters_and_gradients(self.model))
+            self.params_away = False
 
     def optimizer_back(self) -> None:
-        if self.optimizer_state and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, self.device)
+        if self.optimizer_away:
+            self.parked_optimizer.restore(optimizer_state(self.optimizer))
+            self.optimizer_away = False

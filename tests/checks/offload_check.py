@@ -1,8 +1,9 @@
-"""Run under torchrun on a GPU by test_cuda.py: verl's offload between phases (distributed/offload.py). A sharded
-model trained three steps twice, the second time with its parameters and optimizer state sent to host memory and
-back before each step's passes: the device memory each departure frees is the parameter shards' and (from the
-second step, once AdamW has state) the two moments' too, and the losses and final weights are those of the run
-without offload, bit for bit.
+"""Run under torchrun by test_cuda.py on a GPU and by test_ppo.py on CPU: verl's offload between phases
+(distributed/offload.py). A sharded model trained three steps twice, the second time with its parameters and
+optimizer state parked in host buffers and back before each step's passes: the memory each departure frees is the
+parameter shards' and (from the second step, once AdamW has state) the two moments' too (on a GPU the allocator's
+count, on CPU the storages' bytes), and the losses and final weights are those of the run without offload, bit for
+bit.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.checks.offload_check MODEL_DIR
 """
@@ -14,7 +15,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from fsdptrain.distributed.offload import PhaseOffload
+from fsdptrain.distributed.offload import HostCopies, local_tensor, optimizer_state, parameters_and_gradients
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return sum(local_tensor(t).untyped_storage().nbytes() for t in parameters_and_gradients(model) + optimizer_state(optimizer))
 
 
 def train(model_dir: str, offload: bool, device: torch.device) -> tuple[list[float], list[int], int, dict[str, torch.Tensor]]:
@@ -25,18 +32,22 @@ def train(model_dir: str, offload: bool, device: torch.device) -> tuple[list[flo
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    phases = PhaseOffload(model, optimizer, offload, offload, device)
+    parked_params, parked_moments = HostCopies(), HostCopies()
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     ids = torch.arange(64, device=device).reshape(2, 32) % 97 + dist.get_rank()
     losses, freed = [], []
     for _ in range(3):
-        before = torch.cuda.memory_allocated(device)
-        phases.leave()  # as while the rollouts are generated
-        freed.append(before - torch.cuda.memory_allocated(device))
-        phases.params_back()
+        before = resident_bytes(model, optimizer, device)
+        if offload:  # as while the rollouts are generated
+            parked_params.park(parameters_and_gradients(model))
+            parked_moments.park(optimizer_state(optimizer))
+        freed.append(before - resident_bytes(model, optimizer, device))
+        if offload:
+            parked_params.restore(parameters_and_gradients(model))
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        phases.optimizer_back()
+        if offload:
+            parked_moments.restore(optimizer_state(optimizer))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -44,9 +55,13 @@ def train(model_dir: str, offload: bool, device: torch.device) -> tuple[list[flo
 
 
 def main() -> None:
-    dist.init_process_group("nccl")
-    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    if torch.cuda.is_available():
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
     plain_losses, plain_freed, _, plain_weights = train(sys.argv[1], False, device)
     losses, freed, shard_bytes, weights = train(sys.argv[1], True, device)
     assert plain_freed == [0, 0, 0], plain_freed

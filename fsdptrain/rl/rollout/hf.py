@@ -18,6 +18,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from fsdptrain.distributed.offload import HostCopies, release_cached
 from fsdptrain.models.attention import GROUPED_ATTENTION
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineSpec, Generation
 from fsdptrain.rl.rollout.beams import beam_search, catalog_tree, read_catalog
@@ -167,7 +168,7 @@ class HFRollout:
         self.group = None  # every rank runs its own copy
         self.end_ids = end_token_ids(self.model, pad_id)
         self.sleeps = free_cache_engine and device.type == "cuda"  # on CPU there is nothing to free
-        self.parked: dict[str, torch.Tensor] | None = None  # pinned host buffers for the weights, made at the first sleep
+        self.parked = HostCopies()  # the weights' bytes while asleep
         self.asleep = False
         self.beams = beams  # rollout.beam_search: each prompt's n responses are its n beams (rollout/beams.py)
         self.catalog = None
@@ -195,27 +196,19 @@ class HFRollout:
 
     @torch.no_grad()
     def sleep(self) -> None:
-        """Free the accelerator for training: the weights wait in pinned host buffers, made once and reused (a plain
-        `.to("cpu")` allocates pageable memory at every sleep, which copies to and from the GPU more slowly)."""
+        """Free the accelerator for training: the weights' bytes wait in pinned host buffers, made once and reused
+        (distributed/offload.py's parking)."""
         if not self.sleeps or self.asleep:
             return
-        tensors = self._tensors()
-        if self.parked is None:
-            self.parked = {name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in tensors.items()}
-        for name, t in tensors.items():
-            self.parked[name].copy_(t, non_blocking=True)
-        torch.cuda.synchronize(self.device)
-        for name, t in tensors.items():
-            t.data = self.parked[name]
-        torch.cuda.empty_cache()
+        self.parked.park(list(self._tensors().values()))
+        release_cached()
         self.asleep = True
 
     @torch.no_grad()
     def wake_up(self) -> None:
         if not self.asleep:
             return
-        for name, t in self._tensors().items():
-            t.data = self.parked[name].to(self.device, non_blocking=True)
+        self.parked.restore(list(self._tensors().values()))
         self.asleep = False
 
     def _tensors(self) -> dict[str, torch.Tensor]:
