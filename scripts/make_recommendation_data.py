@@ -17,6 +17,7 @@ history holds 3 to 6 items, then the target. Splits hold disjoint users. Writes:
 
 import argparse
 import json
+import math
 import os
 import random
 
@@ -25,6 +26,8 @@ import pyarrow.parquet as pq
 
 CODES = 8
 POPULARITY = (0.4, 0.3, 0.2, 0.1)
+NEXT_A, SAME_A = 0.6, 0.25  # a user's next a: a + 1 mod 8, the same a, else uniform
+STYLE_B = 0.8  # a user's b: their style, else uniform
 
 
 def catalog(rng: random.Random) -> dict[tuple[int, int], list[tuple[int, float]]]:
@@ -48,11 +51,23 @@ def user_items(rng: random.Random, leaves: dict) -> list[str]:
     for step in range(rng.randint(3, 6) + 1):
         if step:
             draw = rng.random()
-            a = (a + 1) % CODES if draw < 0.6 else a if draw < 0.85 else rng.randrange(CODES)
-        b = style if rng.random() < 0.8 else rng.randrange(CODES)
+            a = (a + 1) % CODES if draw < NEXT_A else a if draw < NEXT_A + SAME_A else rng.randrange(CODES)
+        b = style if rng.random() < STYLE_B else rng.randrange(CODES)
         codes, weights = zip(*leaves[(a, b)])
         items.append(sid(a, b, rng.choices(codes, weights)[0]))
     return items
+
+
+def next_item_probabilities(history: list[tuple[int, int, int]], leaves: dict) -> dict[str, float]:
+    """The generator's distribution of a user's next item given their history's (a, b, c) codes: the Bayes
+    predictor, with the style's posterior from the history's b codes."""
+    jump = (1 - NEXT_A - SAME_A) / CODES
+    last_a = history[-1][0]
+    p_a = [jump + NEXT_A * (a == (last_a + 1) % CODES) + SAME_A * (a == last_a) for a in range(CODES)]
+    style = [math.prod(STYLE_B * (b == s) + (1 - STYLE_B) / CODES for _, b, _ in history) for s in range(CODES)]
+    style = [p / sum(style) for p in style]
+    p_b = [sum(style[s] * (STYLE_B * (b == s) + (1 - STYLE_B) / CODES) for s in range(CODES)) for b in range(CODES)]
+    return {sid(a, b, c): p_a[a] * p_b[b] * weight for (a, b), codes in leaves.items() for c, weight in codes}
 
 
 def prompt_text(history: list[str]) -> str:
