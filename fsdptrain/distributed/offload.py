@@ -66,11 +66,17 @@ class HostCopies:
         self.sizes = []
 
 
+def on_accelerator(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those in the accelerator's memory: a model under FSDP2's CPU offload (`cpu_offload`) keeps its shards and
+    optimizer state in host memory already."""
+    return [t for t in tensors if local_tensor(t).device.type != "cpu"]
+
+
 def parameters_and_gradients(model: nn.Module) -> list[torch.Tensor]:
     return [t for p in model.parameters() for t in (p, p.grad) if t is not None]
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """AdamW's moments and the like; its step counts aside (they stay where the optimizer keeps them)."""
     return [value for state in optimizer.state.values() for name, value in state.items()
             if isinstance(value, torch.Tensor) and name != "step"]
@@ -103,20 +109,20 @@ class PhaseOffload:
         if self.device.type == "cpu":
             return
         if self.params and not self.params_away:
-            self.parked_params.park(parameters_and_gradients(self.model))
+            self.parked_params.park(on_accelerator(parameters_and_gradients(self.model)))
             self.params_away = True
         if self.optimizer_state and self.optimizer is not None and not self.optimizer_away:
-            self.parked_optimizer.park(optimizer_state(self.optimizer))
+            self.parked_optimizer.park(on_accelerator(optimizer_tensors(self.optimizer)))
             self.optimizer_away = True
         if self.params_away or self.optimizer_away:
             release_cached()
 
     def params_back(self) -> None:
         if self.params_away:
-            self.parked_params.restore(parameters_and_gradients(self.model))
+            self.parked_params.restore(on_accelerator(parameters_and_gradients(self.model)))
             self.params_away = False
 
     def optimizer_back(self) -> None:
         if self.optimizer_away:
-            self.parked_optimizer.restore(optimizer_state(self.optimizer))
+            self.parked_optimizer.restore(on_accelerator(optimizer_tensors(self.optimizer)))
             self.optimizer_away = False

@@ -15,13 +15,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from fsdptrain.distributed.offload import HostCopies, local_tensor, optimizer_state, parameters_and_gradients
+from fsdptrain.distributed.offload import HostCopies, local_tensor, optimizer_tensors, parameters_and_gradients
 
 
 def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return sum(local_tensor(t).untyped_storage().nbytes() for t in parameters_and_gradients(model) + optimizer_state(optimizer))
+    return sum(local_tensor(t).untyped_storage().nbytes() for t in parameters_and_gradients(model) + optimizer_tensors(optimizer))
 
 
 def train(model_dir: str, offload: bool, device: torch.device) -> tuple[list[float], list[int], int, dict[str, torch.Tensor]]:
@@ -40,14 +40,14 @@ def train(model_dir: str, offload: bool, device: torch.device) -> tuple[list[flo
         before = resident_bytes(model, optimizer, device)
         if offload:  # as while the rollouts are generated
             parked_params.park(parameters_and_gradients(model))
-            parked_moments.park(optimizer_state(optimizer))
+            parked_moments.park(optimizer_tensors(optimizer))
         freed.append(before - resident_bytes(model, optimizer, device))
         if offload:
             parked_params.restore(parameters_and_gradients(model))
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if offload:
-            parked_moments.restore(optimizer_state(optimizer))
+            parked_moments.restore(optimizer_tensors(optimizer))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
