@@ -60,3 +60,35 @@ def test_the_bayes_predictor_is_calibrated_on_the_generators_users():
     for k in expected:
         assert abs(measured[k] - expected[k]) < 4 * (expected[k] * (1 - expected[k]) / n) ** 0.5, (k, measured[k], expected[k])
     assert 0.72 < expected[10] < 0.76
+
+
+def test_the_oracle_script_scores_the_bayes_ranking_as_bayes_and_its_reverse_lower(tmp_path):
+    """scripts/recommendation_oracle.py on evaluation rows written by hand: beams that are the Bayes top 10 score
+    as the Bayes ranking; the same 10 reversed keep the expected HR@10 and lose expected NDCG@10, which the reordered
+    row gives back."""
+    import random
+
+    import make_recommendation_data as data
+
+    rng = random.Random(0)
+    leaves = data.catalog(rng)
+    rows = {"bayes": [], "reversed": []}
+    for user in range(50):
+        *history, target = data.user_items(rng, leaves)
+        codes = [tuple(int(x) for x in re.findall(r"_(\d)", item)) for item in history]
+        probability = data.next_item_probabilities(codes, leaves)
+        top = sorted(probability, key=probability.get, reverse=True)[:10]
+        prompt = [{"role": "user", "content": data.prompt_text(history)}]
+        for name, ranking in (("bayes", top), ("reversed", top[::-1])):
+            rows[name] += [{"index": user, "prompt": prompt, "ground_truth": target, "response": item} for item in ranking]
+    scores = {}
+    for name, written in rows.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in written))
+        out = subprocess.run([sys.executable, "scripts/recommendation_oracle.py", str(path), "--seed", "0"], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout
+        scores[name] = {line[:32].strip(): [float(x) for x in line[32:].split()] for line in out.splitlines()[2:]}
+    bayes, reverse = scores["bayes"], scores["reversed"]
+    assert bayes["model"] == bayes["Bayes"] == reverse["Bayes"]
+    assert reverse["model's items in Bayes order"][2:] == bayes["model"][2:]  # expected figures: equal-probability items may swap
+    assert reverse["model"][2] == bayes["model"][2] and reverse["model"][3] < bayes["model"][3] - 0.05
