@@ -8,7 +8,7 @@ A departure copies each tensor's whole storage into a pinned host buffer made at
 then frees the storage on the accelerator (resized to nothing); a return gives it back its bytes and copies them in.
 The tensors themselves stay where they are, so FSDP2's sharded parameters and the optimizer's state keep their
 identity, their device and their padding, and nothing but the bytes moves. (`module.to("cpu")` would copy into
-pageable memory allocated afresh each time: about 1 GB/s.)
+pageable memory allocated afresh each time, several times slower: docs/performance.md.)
 
 FSDP2's CPUOffloadPolicy (`fsdp_config.cpu_offload`, verl's `offload_policy`) is another thing: there the shards
 live in host memory for good, each layer is copied in for its passes and the optimizer steps on the CPU.
