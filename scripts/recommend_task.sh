@@ -4,8 +4,8 @@
 # then trained by GRPO over 8 beams constrained to the catalog with MiniOneRec's ranking reward, against the SFT
 # model as the KL's reference; both are evaluated by constrained 10-beam search on held-out users (HR@K, NDCG@K),
 # with GRPO's paired difference from SFT, and both against the generator's Bayes ranking. Its SFT learns the users'
-# rule (HR@10 0.65 on the 200 validation users, a random pick's 0.04); its GRPO does not improve on it, and on this
-# task cannot much (docs/results.md has the runs and why).
+# rule (HR@10 0.65 on the 200 validation users, a random pick's 0.04); its GRPO does not yet improve on it
+# (docs/results.md has the runs and what the Bayes ranking says of them).
 #   bash scripts/recommend_task.sh
 # Sizes are environment variables: WORK (runs/recommend), SEED (the data's draw, 0), SFT_STEPS (125 of 16 users),
 # SFT_LR (2e-4, cosine to a tenth), GRPO_STEPS (100 of 4 prompts x 8 beams), GRPO_LR (1e-5), KL (1e-3), TEST (500 users), NPROC (2),
