@@ -13,13 +13,14 @@ pageable memory allocated afresh each time, several times slower: docs/performan
 FSDP2's CPUOffloadPolicy (`fsdp_config.cpu_offload`, verl's `offload_policy`) is another thing: there the shards
 live in host memory for good, each layer is copied in for its passes and the optimizer steps on the CPU.
 
-On a CPU device nothing moves.
+On a CPU device nothing moves: nothing is on an accelerator.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -85,30 +86,32 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def release_cached() -> None:
     """After a departure, hand the freed accelerator blocks back, so that another phase (an inference engine with
     its own allocator) can have them."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 @dataclass
 class PhaseOffload:
     """One model's offload between phases: whether its parameters (`params`) and its optimizer's state
-    (`optimizer_state`, a trained model's) leave `device` when `leave` is called, and return with `params_back` and
-    `optimizer_back`."""
+    (`optimizer_state`, a trained model's) leave the accelerator when `leave` is called, and return with
+    `params_back` and `optimizer_back`. What is in host memory already stays (a model on a CPU device: nothing
+    moves)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     params: bool
     optimizer_state: bool
-    device: torch.device
     parked_params: HostCopies = field(default_factory=HostCopies)
     parked_optimizer: HostCopies = field(default_factory=HostCopies)
     params_away: bool = False
     optimizer_away: bool = False
 
     def leave(self) -> None:
-        if self.device.type == "cpu":
-            return
         if self.params and not self.params_away:
+            for module in self.model.modules():  # the sharded parameters registered, not gathered ones
+                if isinstance(module, FSDPModule):
+                    module.reshard()
             self.parked_params.park(on_accelerator(parameters_and_gradients(self.model)))
             self.params_away = True
         if self.optimizer_state and self.optimizer is not None and not self.optimizer_away:

@@ -395,7 +395,7 @@ def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer)
     tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
     model = build_sharded_model(settings.model.path, model_config, frozen_fsdp(config, settings.model.fsdp_config), hf_config, trainer,
                                 parallel, settings.model.use_remove_padding, trainable=False, auto_class=AutoModelForTokenClassification)
-    offload = PhaseOffload(model, None, settings.model.fsdp_config.param_offload, False, parallel.device)
+    offload = PhaseOffload(model, None, settings.model.fsdp_config.param_offload, False)
     offload.leave()
     batching = MicroBatching(settings.micro_batch_size_per_gpu, False, None, "reward_model.micro_batch_size_per_gpu", "", "")
     return RewardModel(model, parallel, batching, settings.model.use_remove_padding, tokenizer.pad_token_id, policy_tokenizer,
@@ -446,18 +446,18 @@ def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, reference: nn.Modul
     policy = PolicyActor(run.model, run.optimizer, run.scheduler, parallel, plan.forward, plan.loss, plan.update, plan.update_batching,
                          plan.log_prob_batching, run.trained_rows)
     actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
-    actor_offload = PhaseOffload(run.model, run.optimizer, actor_fsdp.param_offload, actor_fsdp.optimizer_offload, parallel.device)
+    actor_offload = PhaseOffload(run.model, run.optimizer, actor_fsdp.param_offload, actor_fsdp.optimizer_offload)
     reference_offload = None
     if plan.needs_reference and reference is None:  # LoRA's (build_reference builds none)
         reference = run.model  # the policy with its adapters switched off: no second model, on the device as the actor
-        reference_offload = PhaseOffload(reference, None, False, False, parallel.device)
+        reference_offload = PhaseOffload(reference, None, False, False)
     elif reference is not None:
-        reference_offload = PhaseOffload(reference, None, config.actor_rollout_ref.ref.fsdp_config.param_offload, False, parallel.device)
+        reference_offload = PhaseOffload(reference, None, config.actor_rollout_ref.ref.fsdp_config.param_offload, False)
         reference_offload.leave()
     critic_offload = None
     if critic is not None:
         critic_fsdp = config.critic.model.fsdp_config
-        critic_offload = PhaseOffload(critic.model, critic.optimizer, critic_fsdp.param_offload, critic_fsdp.optimizer_offload, parallel.device)
+        critic_offload = PhaseOffload(critic.model, critic.optimizer, critic_fsdp.param_offload, critic_fsdp.optimizer_offload)
     engine = build_rollout(plan.engine_name, plan.engine)
     sampler = GroupSampler(train, config.data.train_batch_size, config.data.shuffle, trainer.seed, engine,
                            engine_index(parallel.rank, plan.engine.tensor_parallel_size), plan.request, scorer, parallel, plan.filter_metric,
