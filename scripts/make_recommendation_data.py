@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,6 +43,11 @@ def catalog(rng: random.Random) -> dict[tuple[int, int], list[tuple[int, float]]
 
 def sid(a: int, b: int, c: int) -> str:
     return f"<a_{a}><b_{b}><c_{c}>"
+
+
+def item_codes(text: str) -> list[tuple[int, int, int]]:
+    """The (a, b, c) codes of every item named in `text`, in order: sid's inverse."""
+    return [(int(a), int(b), int(c)) for a, b, c in re.findall(r"<a_(\d+)><b_(\d+)><c_(\d+)>", text)]
 
 
 def user_items(rng: random.Random, leaves: dict) -> list[str]:

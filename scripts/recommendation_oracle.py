@@ -14,14 +14,11 @@ import json
 import math
 import os
 import random
-import re
 import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_recommendation_data as data  # noqa: E402
-
-ITEM = re.compile(r"<a_(\d+)><b_(\d+)><c_(\d+)>")
 
 
 def hit_and_gain(ranking: list[str], probability: dict[str, float], k: int) -> tuple[float, float]:
@@ -43,7 +40,7 @@ def main() -> None:
         users[row["index"]].append(row)
     totals = defaultdict(float)
     for rows in users.values():
-        history = [tuple(map(int, m)) for m in ITEM.findall(rows[0]["prompt"][-1]["content"])]
+        history = data.item_codes(rows[0]["prompt"][-1]["content"])
         probability = data.next_item_probabilities(history, leaves)
         model = [row["response"] for row in rows]
         bayes = sorted(probability, key=probability.get, reverse=True)

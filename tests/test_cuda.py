@@ -172,10 +172,10 @@ def test_hf_engine_sleeps_off_the_gpu_and_wakes_unchanged(tiny_llama):
 
     before = {name: t.clone() for name, t in engine.model.state_dict().items()}
     greedy, awake_bytes = answers(), torch.cuda.memory_allocated()
-    weight_bytes = sum(t.numel() * t.element_size() for t in engine._tensors().values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine._tensors())
     for _ in range(2):
         engine.sleep()
-        assert all(t.untyped_storage().nbytes() == 0 for t in engine._tensors().values())
+        assert all(t.untyped_storage().nbytes() == 0 for t in engine._tensors())
         assert all(b.is_pinned() for b in engine.parked.buffers)
         assert torch.cuda.memory_allocated() <= awake_bytes - weight_bytes * 0.9
         parked = [b.data_ptr() for b in engine.parked.buffers]

@@ -50,8 +50,7 @@ def test_the_bayes_predictor_is_calibrated_on_the_generators_users():
     n = 4000
     for _ in range(n):
         *history, target = data.user_items(rng, leaves)
-        codes = [tuple(int(x) for x in re.findall(r"_(\d)", item)) for item in history]
-        probability = data.next_item_probabilities(codes, leaves)
+        probability = data.next_item_probabilities(data.item_codes("".join(history)), leaves)
         assert abs(sum(probability.values()) - 1) < 1e-9
         ranking = sorted(probability, key=probability.get, reverse=True)
         for k in expected:
@@ -75,8 +74,7 @@ def test_the_oracle_script_scores_the_bayes_ranking_as_bayes_and_its_reverse_low
     rows = {"bayes": [], "reversed": []}
     for user in range(50):
         *history, target = data.user_items(rng, leaves)
-        codes = [tuple(int(x) for x in re.findall(r"_(\d)", item)) for item in history]
-        probability = data.next_item_probabilities(codes, leaves)
+        probability = data.next_item_probabilities(data.item_codes("".join(history)), leaves)
         top = sorted(probability, key=probability.get, reverse=True)[:10]
         prompt = [{"role": "user", "content": data.prompt_text(history)}]
         for name, ranking in (("bayes", top), ("reversed", top[::-1])):

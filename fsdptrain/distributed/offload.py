@@ -41,7 +41,11 @@ class HostCopies:
     changed (an optimizer's state appears after its first step)."""
 
     buffers: list[torch.Tensor] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)  # each storage's bytes while it is away
+    sizes: list[int] | None = None  # each storage's bytes while they are away; None while they are home
+
+    @property
+    def away(self) -> bool:
+        return self.sizes is not None
 
     def park(self, tensors: list[torch.Tensor]) -> None:
         pointers = [local_tensor(t).untyped_storage().data_ptr() for t in tensors]
@@ -60,11 +64,11 @@ class HostCopies:
             self.sizes.append(data.numel())
 
     def restore(self, tensors: list[torch.Tensor]) -> None:
-        assert len(tensors) == len(self.sizes), "the tensors parked and those restored differ"
+        assert self.sizes is not None and len(tensors) == len(self.sizes), "the tensors parked and those restored differ"
         for tensor, buffer, size in zip(tensors, self.buffers, self.sizes):
             local_tensor(tensor).untyped_storage().resize_(size)
             storage_bytes(tensor).copy_(buffer, non_blocking=True)
-        self.sizes = []
+        self.sizes = None
 
 
 def on_accelerator(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -104,28 +108,22 @@ class PhaseOffload:
     optimizer_state: bool
     parked_params: HostCopies = field(default_factory=HostCopies)
     parked_optimizer: HostCopies = field(default_factory=HostCopies)
-    params_away: bool = False
-    optimizer_away: bool = False
 
     def leave(self) -> None:
-        if self.params and not self.params_away:
+        if self.params and not self.parked_params.away:
             for module in self.model.modules():  # the sharded parameters registered, not gathered ones
                 if isinstance(module, FSDPModule):
                     module.reshard()
             self.parked_params.park(on_accelerator(parameters_and_gradients(self.model)))
-            self.params_away = True
-        if self.optimizer_state and self.optimizer is not None and not self.optimizer_away:
+        if self.optimizer_state and self.optimizer is not None and not self.parked_optimizer.away:
             self.parked_optimizer.park(on_accelerator(optimizer_tensors(self.optimizer)))
-            self.optimizer_away = True
-        if self.params_away or self.optimizer_away:
+        if self.parked_params.away or self.parked_optimizer.away:
             release_cached()
 
     def params_back(self) -> None:
-        if self.params_away:
+        if self.parked_params.away:
             self.parked_params.restore(on_accelerator(parameters_and_gradients(self.model)))
-            self.params_away = False
 
     def optimizer_back(self) -> None:
-        if self.optimizer_away:
+        if self.parked_optimizer.away:
             self.parked_optimizer.restore(on_accelerator(optimizer_tensors(self.optimizer)))
-            self.optimizer_away = False

@@ -169,7 +169,6 @@ class HFRollout:
         self.end_ids = end_token_ids(self.model, pad_id)
         self.sleeps = free_cache_engine and device.type == "cuda"  # on CPU there is nothing to free
         self.parked = HostCopies()  # the weights' bytes while asleep
-        self.asleep = False
         self.beams = beams  # rollout.beam_search: each prompt's n responses are its n beams (rollout/beams.py)
         self.catalog = None
         if catalog_file:
@@ -198,22 +197,19 @@ class HFRollout:
     def sleep(self) -> None:
         """Free the accelerator for training: the weights' bytes wait in pinned host buffers, made once and reused
         (distributed/offload.py's parking)."""
-        if not self.sleeps or self.asleep:
+        if not self.sleeps or self.parked.away:
             return
-        self.parked.park(list(self._tensors().values()))
+        self.parked.park(self._tensors())
         release_cached()
-        self.asleep = True
 
     @torch.no_grad()
     def wake_up(self) -> None:
-        if not self.asleep:
-            return
-        self.parked.restore(list(self._tensors().values()))
-        self.asleep = False
+        if self.parked.away:
+            self.parked.restore(self._tensors())
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        """Every parameter (a tied one once) and buffer of the copy, by name."""
-        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every parameter (a tied one once) and buffer of the copy."""
+        return [*self.model.parameters(), *self.model.buffers()]
 
 
 @ROLLOUT_ENGINES.register("hf")
