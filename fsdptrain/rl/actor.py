@@ -23,6 +23,7 @@ from fsdptrain.models.added_tokens import TrainedRows
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
 from fsdptrain.optim import clipped_step
 from fsdptrain.rl import core_algos
+from fsdptrain.rl.balance import deal_groups, return_token_values
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,6 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
     metrics and its token count."""
     aggregate = mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor, loss_settings.max_response_length,
                                        parallel)
-    num_sequences = int(max(s.token_values["sequence"][0] for s in mini)) + 1
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
     if loss_settings.sft_coef:
         # the SFT term is a token mean over the correct responses' tokens; its metric, that mean, is summed here
@@ -147,6 +147,11 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
                                                sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
         sums["sft_loss"] = 0.0
     trained = [s for s in mini if has_advantage(s)] if loss_settings.skip_zero_advantage else mini
+    dealt = None
+    if loss_settings.skip_zero_advantage and parallel.dp_size > 1:  # each rank kept the groups chance gave it
+        dealt = deal_groups(trained, parallel, forward.share_prompts)
+        kept, trained = trained, dealt.samples
+    num_sequences = int(max(s.token_values["sequence"][0] for s in mini + trained)) + 1
     # the loss's counts stay the whole mini-batch's; where nothing is left on any rank, one empty pass still gives
     # the optimizer zero gradients to step on (AdamW's momentum and decay), as without skipping
     micro_batches = plan_micro_batches(trained, batching, parallel) or [None]
@@ -183,6 +188,8 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         sums["ppo_kl"] += float(((old - log_probs.detach()) * mask).sum())
         sums["entropy"] += float((entropy.detach() * mask).sum())
         sums["tokens"] += float(mask.sum())
+    if dealt is not None and first_pass_is_old and "rollout_log_prob" in mini[0].token_values:
+        return_token_values(dealt, kept, "old_log_prob", parallel)
     return sums
 
 

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.distributed.mesh import world_from_environment
 from fsdptrain.models.loading import load_model_config
-from fsdptrain.rl.actor import compute_log_probs, mini_batch_backward
+from fsdptrain.rl.actor import compute_log_probs, has_advantage, mini_batch_backward
+from fsdptrain.rl.balance import deal_groups
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
 from fsdptrain.trainer.grpo_plan import actor_batching, plan_grpo
 from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
@@ -93,6 +94,15 @@ def main() -> None:
         every = gradient(*modes)
         skipped = gradient(*modes, "actor_rollout_ref.actor.skip_zero_advantage=true")
         assert relative_gap(skipped, every) < 5e-6, (loss_mode, relative_gap(skipped, every))
+    # The groups kept are dealt out again over the ranks by their tokens: every kept sample once, each rank a run
+    # (under dp 2 the one rank's two half-groups, one each)
+    kept = [sample for sample in mine if has_advantage(sample)]
+    dealt = deal_groups(kept, parallel, share_prompts=True)
+    everyone = [None] * parallel.dp_size
+    torch.distributed.all_gather_object(everyone, dealt.origins, group=parallel.dp_group)
+    kept_counts = [sum(index % 2 == 0 for index in range(rank, 8, parallel.dp_size)) for rank in range(parallel.dp_size)]
+    assert sorted(o for origins in everyone for o in origins) == [(rank, i) for rank in range(parallel.dp_size) for i in range(kept_counts[rank])]
+    assert all(everyone), everyone
     for sample in mine:
         sample.token_values["advantage"].zero_()
     assert all(float(grad.abs().max()) == 0 for grad in gradient("actor_rollout_ref.actor.skip_zero_advantage=true").values())
@@ -107,6 +117,18 @@ def main() -> None:
     mini_batch_backward(model, mine, base_plan.update_batching, base_plan.forward, base_plan.loss, parallel, first_pass_is_old=True)
     for sample, log_probs in zip(mine, separate_pass):
         torch.testing.assert_close(sample.token_values["old_log_prob"], log_probs, atol=1e-5, rtol=0)
+    # One mini-batch, one epoch, skipping: the old log-probs the update's forward keeps are set on the samples
+    # it forwarded, wherever they were trained
+    for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
+        sample.token_values["advantage"] *= index % 2 == 0
+        del sample.token_values["old_log_prob"]
+    skipping = plan("actor_rollout_ref.actor.skip_zero_advantage=true")
+    mini_batch_backward(model, mine, skipping.update_batching, skipping.forward, skipping.loss, parallel, first_pass_is_old=True)
+    for sample, log_probs in zip(mine, separate_pass):
+        if has_advantage(sample):
+            torch.testing.assert_close(sample.token_values.pop("old_log_prob"), log_probs, atol=1e-5, rtol=0)
+        else:
+            assert "old_log_prob" not in sample.token_values
     if parallel.is_main:
         torch.save(gradients, out)
     end_run()
