@@ -106,6 +106,18 @@ def _shifted(sample: Sample) -> dict[str, torch.Tensor]:
     return targets
 
 
+def shareable_prefix(sample: Sample) -> torch.Tensor | None:
+    """The ids a packed row may hold once for the samples after this one, or None."""
+    return sample.input_ids[: sample.shared_prefix] if sample.shared_prefix else None
+
+
+def shares_prompt(sample: Sample, prompt: torch.Tensor | None) -> bool:
+    """Whether `sample` begins with `prompt` (an earlier sample's shareable prefix) and has tokens after it: a
+    packed row that holds the prompt already holds only the rest of it."""
+    p = sample.shared_prefix
+    return prompt is not None and 0 < p < len(sample) and torch.equal(sample.input_ids[:p], prompt)
+
+
 def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1, share_prefixes: bool = False) -> MicroBatch:
     """One row of concatenated samples; position_ids restart at 0 at each sample start, and the sequence
     boundaries come as transformers' `cu_seq_lens_q` / `max_length_q`.
@@ -114,16 +126,16 @@ def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1, share_pr
     `share_prefixes`, a prompt shared by consecutive samples is in the row once (see the module's docstring).
     """
     pieces, positions, token_rows, query_lengths, key_lengths = [], [], [], [], []
-    row_length, prompt = 0, None  # prompt: (row start, ids) of the last sample's shareable prefix
+    row_length, prompt_start, prompt = 0, 0, None  # the row start and ids of the last shareable prefix in the row
     for sample in samples:
         p = sample.shared_prefix
-        if share_prefixes and prompt is not None and 0 < p < len(sample) and torch.equal(sample.input_ids[:p], prompt[1]):
-            piece, rows = sample.input_ids[p:], torch.cat([prompt[0] + torch.arange(p), row_length + torch.arange(len(sample) - p)])
+        if share_prefixes and shares_prompt(sample, prompt):
+            piece, rows = sample.input_ids[p:], torch.cat([prompt_start + torch.arange(p), row_length + torch.arange(len(sample) - p)])
             positions.append(torch.arange(p, len(sample)))
         else:
             piece, rows = sample.input_ids, row_length + torch.arange(len(sample))
             positions.append(torch.arange(len(sample)))
-            prompt = (row_length, sample.input_ids[:p]) if p else None
+            prompt_start, prompt = row_length, shareable_prefix(sample)
         pieces.append(piece)
         token_rows.append(rows)
         query_lengths.append(len(piece))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fsdptrain.data.dataset import Sample
+from fsdptrain.data.micro_batches import shareable_prefix, shares_prompt
 from fsdptrain.distributed.mesh import Parallel
 
 
@@ -23,17 +24,16 @@ class Dealt:
 
 
 def prompt_runs(samples: list[Sample]) -> list[list[int]]:
-    """Indices of the runs of adjacent samples that begin with the same prompt (a group's responses, side by side
-    as the update orders them)."""
+    """Indices of the runs of adjacent samples that a packed row holds behind one prompt (a group's responses, side
+    by side as the update orders them), as the row's collation finds them."""
     runs: list[list[int]] = []
+    prompt = None
     for i, sample in enumerate(samples):
-        previous = samples[i - 1] if i else None
-        same = (previous is not None and previous.shared_prefix == sample.shared_prefix > 0
-                and torch.equal(previous.input_ids[: sample.shared_prefix], sample.input_ids[: sample.shared_prefix]))
-        if same:
+        if shares_prompt(sample, prompt):
             runs[-1].append(i)
         else:
             runs.append([i])
+            prompt = shareable_prefix(sample)
     return runs
 
 
