@@ -7,7 +7,8 @@
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS
-# (prompts per step, 40 in bf16, 24 in fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process: 64 in bf16,
+# (prompts per step, 40 in bf16, 32 in fp32), GRPO_TEMPERATURE (the rollouts' sampling temperature, 1.0 in bf16, 0.7 in
+# fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process: 64 in bf16,
 # 16 in fp32), TEST_ROWS (600 in bf16, 1000 in fp32), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
 # machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where bf16 is emulated:
 # `python -m fsdptrain.dtypes` says which), and GRPO_ARGS: more overrides for the GRPO trainer.
@@ -16,15 +17,15 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
 bash scripts/setup.sh smollm2
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
-# fp32 steps take two to three times as long as native bf16's, and their activations twice the memory: GRPO steps
-# of 24 prompts keep the run under 30 minutes (the step is compute-bound, its time the generation and the update of
-# the groups that teach something; 30 such steps ended a seed at 0.798, docs/results.md). Forwards of 16 samples keep
-# both processes under 12 GB (the gradient is the same whatever the micro-batch). 1000 held-out problems measure the
-# smaller gain of smaller steps to a smaller standard error.
-if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=38 DEFAULT_PROMPTS=24 DEFAULT_MICRO=16 DEFAULT_TEST=1000
-else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_MICRO=64 DEFAULT_TEST=600; fi
+# fp32 steps take two to three times as long as native bf16's, and their activations twice the memory. The step is
+# compute-bound, its time the generation and the update of the groups that teach something; sampled at temperature
+# 0.7, more groups answer all alike and are skipped, so 32 prompts a step cost what 24 did at temperature 1, and keep
+# the run under 30 minutes (docs/results.md). Forwards of 16 samples keep both processes under 12 GB (the gradient is
+# the same whatever the micro-batch). 1000 held-out problems measure the smaller gain to a smaller standard error.
+if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=38 DEFAULT_PROMPTS=32 DEFAULT_TEMPERATURE=0.7 DEFAULT_MICRO=16 DEFAULT_TEST=1000
+else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_TEMPERATURE=1.0 DEFAULT_MICRO=64 DEFAULT_TEST=600; fi
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
-GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
+GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_TEMPERATURE=${GRPO_TEMPERATURE:-$DEFAULT_TEMPERATURE} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
 GRPO_MICRO=${GRPO_MICRO:-$DEFAULT_MICRO} NPROC=${NPROC:-2}
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
 python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --seed "$SEED" --operations "$OPERATIONS" \
@@ -41,7 +42,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.sft_trainer \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/sft" trainer.checkpoint.save_contents='[hf_model]'
 SFT_MODEL="$WORK/sft/global_step_$SFT_STEPS/huggingface"
 
-echo "== GRPO from the SFT model: $GRPO_STEPS steps of $GRPO_PROMPTS prompts x 8 responses"
+echo "== GRPO from the SFT model: $GRPO_STEPS steps of $GRPO_PROMPTS prompts x 8 responses at temperature $GRPO_TEMPERATURE"
 # no validation files, here or in SFT: the 1000 validation problems are what these sizes were tuned on, and the evaluation below
 # scores the test split, drawn after them. About half the groups answer all alike and teach nothing: the update skips them
 # (skip_zero_advantage, the same gradient). Each process generates its share of the responses in one batch.
@@ -52,6 +53,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
     actor_rollout_ref.actor.optim.lr="$GRPO_LR" actor_rollout_ref.actor.ppo_mini_batch_size="$GRPO_PROMPTS" \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$GRPO_MICRO" actor_rollout_ref.actor.skip_zero_advantage=true actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.rollout.temperature="$GRPO_TEMPERATURE" \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((GRPO_PROMPTS * 8 / NPROC)) \
     trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \
