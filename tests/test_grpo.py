@@ -31,9 +31,10 @@ def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_ll
     seq-mean-token-mean, every aggregation mode with the default loss, and the SFT term (fp32): one process with micro-batches of 8 packed sequences (each
     group's prompt held once), against two processes with micro-batches of 1 padded sequence (every prompt with
     each response), at the defaults (packed rows cut by a token budget, sharing prompts), and as one Ulysses
-    group of two that each hold a slice of every sequence (not sharing)."""
+    group of two that each hold a slice of every sequence (not sharing), and two such groups side by side (dp 2 x
+    sp 2, where the skipped groups' deal runs over the data-parallel ranks and each Ulysses rank computes the same)."""
     layouts = {"dp1-micro8-packed": (1, 8, "true", 1), "dp2-micro1-padded": (2, 1, "false", 1), "dp2-defaults": (2, "default", "true", 1),
-               "sp2-micro3-packed": (2, 3, "true", 2)}
+               "sp2-micro3-packed": (2, 3, "true", 2), "dp2-sp2-micro3-packed": (4, 3, "true", 2)}
     gradients = {}
     for name, (nproc, micro, packed, sp) in layouts.items():
         out = str(tmp_path / f"{name}.pt")
