@@ -44,7 +44,7 @@ SFT_MODEL="$WORK/sft/global_step_$SFT_STEPS/huggingface"
 
 echo "== GRPO from the SFT model: $GRPO_STEPS steps of $GRPO_PROMPTS prompts x 8 responses at temperature $GRPO_TEMPERATURE"
 # no validation files, here or in SFT: the 1000 validation problems are what these sizes were tuned on, and the evaluation below
-# scores the test split, drawn after them. About half the groups answer all alike and teach nothing: the update skips them
+# scores the test split, drawn after them. Half the groups or more answer all alike and teach nothing: the update skips them
 # (skip_zero_advantage, the same gradient). Each process generates its share of the responses in one batch.
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     data.train_files="$WORK/data/rl_train.parquet" \

@@ -151,6 +151,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
     if loss_settings.skip_zero_advantage and parallel.dp_size > 1:  # each rank kept the groups chance gave it
         dealt = deal_groups(trained, parallel, forward.share_prompts)
         kept, trained = trained, dealt.samples
+    # sized for the dealt copies' renumbered ids and for mini[0], which the empty pass below forwards
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini + trained)) + 1
     # the loss's counts stay the whole mini-batch's; where nothing is left on any rank, one empty pass still gives
     # the optimizer zero gradients to step on (AdamW's momentum and decay), as without skipping
