@@ -23,7 +23,7 @@ from fsdptrain.models.added_tokens import TrainedRows
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
 from fsdptrain.optim import clipped_step
 from fsdptrain.rl import core_algos
-from fsdptrain.rl.balance import deal_groups, return_token_values
+from fsdptrain.rl.balance import Dealt, deal_groups, return_token_values
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,18 @@ def mini_batch_aggregation(mini: list[Sample], agg_mode: str, loss_scale_factor:
                    max_response_length=max_response_length, loss_scale_factor=loss_scale_factor)
 
 
+def samples_to_train(mini: list[Sample], skip_zero_advantage: bool, share_prompts: bool, parallel: Parallel) -> tuple[list[Sample], Dealt | None]:
+    """The samples this rank forwards: the whole mini-batch, or with `skip_zero_advantage` those with an advantage,
+    dealt out again over the data-parallel ranks (each rank kept the groups chance gave it) with the deal."""
+    if not skip_zero_advantage:
+        return mini, None
+    trained = [s for s in mini if has_advantage(s)]
+    if parallel.dp_size == 1:
+        return trained, None
+    dealt = deal_groups(trained, parallel, share_prompts)
+    return dealt.samples, dealt
+
+
 def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBatching, forward: ForwardSettings, loss_settings: LossSettings,
                         parallel: Parallel, first_pass_is_old: bool) -> dict[str, float]:
     """Gradients of one mini-batch's loss (this rank's samples of it), accumulated into the parameters; without
@@ -146,11 +158,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         sft_tokens, mini_tokens = all_reduce_sum([sum(float((s.token_values["sft"] * s.loss_mask)[1:].sum()) for s in mini),
                                                sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
         sums["sft_loss"] = 0.0
-    trained = [s for s in mini if has_advantage(s)] if loss_settings.skip_zero_advantage else mini
-    dealt = None
-    if loss_settings.skip_zero_advantage and parallel.dp_size > 1:  # each rank kept the groups chance gave it
-        dealt = deal_groups(trained, parallel, forward.share_prompts)
-        kept, trained = trained, dealt.samples
+    trained, dealt = samples_to_train(mini, loss_settings.skip_zero_advantage, forward.share_prompts, parallel)
     # sized for the dealt copies' renumbered ids and for mini[0], which the empty pass below forwards
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini + trained)) + 1
     # the loss's counts stay the whole mini-batch's; where nothing is left on any rank, one empty pass still gives
@@ -190,7 +198,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         sums["entropy"] += float((entropy.detach() * mask).sum())
         sums["tokens"] += float(mask.sum())
     if dealt is not None and first_pass_is_old and "rollout_log_prob" in mini[0].token_values:
-        return_token_values(dealt, kept, "old_log_prob", parallel)
+        return_token_values(dealt, "old_log_prob", parallel)
     return sums
 
 

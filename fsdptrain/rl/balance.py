@@ -21,6 +21,7 @@ from fsdptrain.distributed.mesh import Parallel
 class Dealt:
     samples: list[Sample]  # this rank's share: copies, their `sequence` values renumbered 0.. in this list
     origins: list[tuple[int, int]]  # each one's data-parallel rank and index in that rank's list
+    own: list[Sample]  # the list this rank dealt in, where return_token_values sets values back
 
 
 def prompt_runs(samples: list[Sample]) -> list[list[int]]:
@@ -62,16 +63,15 @@ def deal_groups(samples: list[Sample], parallel: Parallel, share_prompts: bool) 
         sample = gathered[rank][i]
         values = {**sample.token_values, "sequence": torch.full_like(sample.token_values["sequence"], float(index))}
         dealt.append(replace(sample, token_values=values))
-    return Dealt(dealt, origins)
+    return Dealt(dealt, origins, samples)
 
 
-def return_token_values(dealt: Dealt, own: list[Sample], key: str, parallel: Parallel) -> None:
-    """The token values `key` that training put on the dealt copies, set on the samples they came from (`own`,
-    the list this rank dealt in)."""
+def return_token_values(dealt: Dealt, key: str, parallel: Parallel) -> None:
+    """The token values `key` that training put on the dealt copies, set on the samples they came from."""
     found = {origin: sample.token_values[key] for origin, sample in zip(dealt.origins, dealt.samples) if key in sample.token_values}
     gathered: list[dict] = [{} for _ in range(parallel.dp_size)]
     dist.all_gather_object(gathered, found, group=parallel.dp_group)
     for values in gathered:
         for (rank, i), value in values.items():
             if rank == parallel.dp_rank:
-                own[i].token_values[key] = value
+                dealt.own[i].token_values[key] = value
