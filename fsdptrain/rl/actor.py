@@ -133,7 +133,8 @@ def mini_batch_aggregation(mini: list[Sample], agg_mode: str, loss_scale_factor:
 
 def samples_to_train(mini: list[Sample], skip_zero_advantage: bool, share_prompts: bool, parallel: Parallel) -> tuple[list[Sample], Dealt | None]:
     """The samples this rank forwards: the whole mini-batch, or with `skip_zero_advantage` those with an advantage,
-    dealt out again over the data-parallel ranks (each rank kept the groups chance gave it) with the deal."""
+    dealt out again over the data-parallel ranks (each rank kept the groups chance gave it); and the deal, None
+    where there was none."""
     if not skip_zero_advantage:
         return mini, None
     trained = [s for s in mini if has_advantage(s)]
