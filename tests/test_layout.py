@@ -4,6 +4,7 @@ explicit settings (no rl module reads a trainer's config), names are checked aga
 modules fill, and no function grows past ~60 lines without a reason written beside it."""
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -147,3 +148,18 @@ def test_a_registered_name_is_accepted_without_touching_the_config(tmp_path):
             assert read(key, "throwaway")
         finally:
             del registry.entries["throwaway"], registry.info["throwaway"]
+
+
+def test_tests_read_nothing_outside_the_repository():
+    """A clone anywhere (a user's, a fork's CI) passes: no test or script it runs climbs above the repository,
+    whether by `Path(__file__).parents[k]` past the root or by a relative path that leaves it."""
+    climbing = []
+    for path in sorted([*(REPO / "tests").rglob("*.py"), *(REPO / "scripts").glob("*.py")]):
+        levels_to_root = len(path.relative_to(REPO).parts) - 1  # parents[levels_to_root] is the repository
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            outside = (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "parents"
+                       and isinstance(node.slice, ast.Constant) and node.slice.value > levels_to_root)
+            outside |= isinstance(node, ast.Constant) and isinstance(node.value, str) and re.match(r"\.\.[/\\]", node.value) is not None
+            if outside:
+                climbing.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not climbing, f"paths outside the repository: {climbing}"

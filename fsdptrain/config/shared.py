@@ -4,7 +4,7 @@ followed by its validation, which takes the section's key prefix so that an erro
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from fsdptrain.config.base import as_path_list, check_all, one_of, positive
+from fsdptrain.config.base import PACKAGES, as_path_list, check_all, one_of, positive
 from fsdptrain.errors import ConfigError
 
 DTYPE_NAMES = ("fp32", "bf16")  # the names dtypes.DTYPES maps to torch's dtypes
@@ -177,6 +177,7 @@ class TrainerConfig:
     device: str
     profile_step: int | None
     cpu_speedups: CpuSpeedupsConfig
+    plot_freq: int
 
 
 LOGGERS = ("console", "file", "wandb", "tensorboard")
@@ -204,6 +205,12 @@ def validate_trainer(trainer: TrainerConfig) -> None:
         one_of("trainer.logger", name, LOGGERS)
     one_of("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
     positive("trainer.profile_step", trainer.profile_step, allow_none=True)
+    if trainer.plot_freq == 0 or trainer.plot_freq < -1:
+        raise ConfigError(f"trainer.plot_freq must be -1 (at the end only) or > 0, got {trainer.plot_freq}")
+
+
+def logger_packages(trainer: TrainerConfig) -> dict[str, str]:
+    return {f"trainer.logger={name}": name for name in trainer.logger if name in PACKAGES}
 
 
 def check_adapter_export(checkpoint: CheckpointConfig, model: LanguageModelConfig, prefix: str) -> None:

@@ -61,6 +61,7 @@ class World:
     world_size: int
     host_processes: int  # training processes on this host, which share its memory when they run on CPU
     device: torch.device
+    here: bool = True  # the run's machine is this one: its installed packages are the run's (fsdptrain.check for another: False)
 
 
 def world_from_environment(device_preference: str) -> World:

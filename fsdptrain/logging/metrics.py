@@ -5,6 +5,8 @@ Only rank 0 logs; on other ranks the logger has no sinks, so nothing is printed 
 
 import json
 import os
+import sys
+import time
 
 from tqdm import tqdm
 
@@ -132,5 +134,29 @@ class MetricLogger:
             sink.close()
 
 
-def progress_bar(total: int, initial: int, is_main: bool) -> tqdm:
+class StepLines:
+    """The progress bar's stand-in where output is captured (a log file, a pipe), where a redrawn bar would tangle
+    with the step lines: one plain line a step, unless the console logger prints each step's line already."""
+
+    def __init__(self, total: int, initial: int, quiet: bool):
+        self.total, self.done, self.quiet, self.postfix = total, initial, quiet, {}
+        self.start = time.monotonic()
+
+    def set_postfix(self, **postfix: str) -> None:
+        self.postfix = postfix
+
+    def update(self, steps: int) -> None:
+        self.done += steps
+        if not self.quiet:
+            shown = "".join(f", {k} {v}" for k, v in self.postfix.items())
+            print(f"train: step {self.done}/{self.total} ({time.monotonic() - self.start:.0f} s{shown})", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, initial: int, is_main: bool, loggers: list[str]) -> tqdm | StepLines:
+    """A bar on a terminal; plain lines elsewhere (StepLines); nothing on ranks other than the first."""
+    if is_main and not sys.stderr.isatty():
+        return StepLines(total, initial, quiet="console" in loggers)
     return tqdm(total=total, initial=initial, desc="train", disable=not is_main, dynamic_ncols=True)

@@ -7,6 +7,7 @@ materializing a meta model leaves them uninitialized.
 """
 
 import copy
+import logging
 import os
 from functools import partial
 from types import MethodType
@@ -33,6 +34,8 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matrices, grow_embeddings
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.lora import add_adapters
+
+log = logging.getLogger("fsdptrain")
 
 
 def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: int) -> PretrainedConfig:
@@ -116,12 +119,39 @@ def load_pretrained(path: str, config: ModelConfig, hf_config: PretrainedConfig,
     if added is not None:  # the folder's own rows, grown after loading
         pretrained_config = copy.deepcopy(hf_config)
         pretrained_config.vocab_size = added.pretrained_rows
-    pretrained = auto_class.from_pretrained(path, config=pretrained_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
+    # transformers' own load report is a table with terminal colour codes, and for a value or reward head built on a
+    # causal LM's folder its only news is that head: it is filtered out (a raised level would switch on transformers'
+    # tensor-parallel plan check, with its own warning), and what else it would say is said plainly.
+    report = logging.getLogger("transformers.modeling_utils")
+    load_report = _DropLoadReport()
+    report.addFilter(load_report)
+    try:
+        pretrained, info = auto_class.from_pretrained(path, config=pretrained_config, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                                                      output_loading_info=True)
+    finally:
+        report.removeFilter(load_report)
+    say_surprising_keys(pretrained, info, path, new_head=auto_class is not AutoModelForCausalLM)
     if added is not None:
         grow_embeddings(pretrained, hf_config.vocab_size, added, seed)
     if lora is not None:
         add_adapters(pretrained, lora, seed)
     return pretrained
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+def say_surprising_keys(model: nn.Module, info: dict, path: str, new_head: bool) -> None:
+    """Warn of the folder's weights that the model lacks and of the model's that the folder lacks, besides those a
+    `new_head` (a critic's value head on a causal LM's folder, which leaves its output layer unused) explains."""
+    body = model.base_model_prefix + "."
+    missing = sorted(k for k in info["missing_keys"] if k.startswith(body) or not new_head)
+    unused = sorted(k for k in info["unexpected_keys"] if k.startswith(body) or not new_head)
+    if missing or unused:
+        log.warning(f"{path}: {len(missing)} weight(s) the folder lacks, initialized at random ({', '.join(missing[:5]) or 'none'}); "
+                    f"{len(unused)} of the folder's weight(s) unused ({', '.join(unused[:5]) or 'none'})")
 
 
 def build_model(

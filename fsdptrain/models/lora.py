@@ -8,12 +8,11 @@ back into the model's own names, W + scaling * B @ A, and peft's adapter format 
 """
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch import nn
 
@@ -25,7 +24,9 @@ ADAPTER = "default"  # peft's adapter name: the one adapter a model trains here
 BASE, LORA_A, LORA_B = ".base_layer.", f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
 
 
-def peft_config(lora: LoRASettings, base_model: str | None = None) -> LoraConfig:
+def peft_config(lora: LoRASettings, base_model: str | None = None):
+    from peft import LoraConfig  # imported by the runs that train adapters alone: it is slow to import
+
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules, exclude_modules=lora.exclude_modules,
                       lora_dropout=lora.dropout, base_model_name_or_path=base_model, task_type="CAUSAL_LM")
 
@@ -41,6 +42,8 @@ def add_adapters(model: nn.Module, lora: LoRASettings, seed: int) -> None:
     as it was."""
     key = lora.key
     linear = linear_module_names(model)
+    from peft import inject_adapter_in_model
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -48,12 +51,11 @@ def add_adapters(model: nn.Module, lora: LoRASettings, seed: int) -> None:
         except ValueError as e:
             raise ConfigError(f"{key}.target_modules={lora.target_modules!r} (exclude_modules={lora.exclude_modules!r}): "
                               f"{str(e).splitlines()[0]} The model's linear layers: {', '.join(linear)}") from None
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            module.lora_A.to(torch.float32)
-            module.lora_B.to(torch.float32)
+    for _, module in lora_layers(model):
+        module.lora_A.to(torch.float32)
+        module.lora_B.to(torch.float32)
     in_layers = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
-    outside = [name for name, module in model.named_modules() if isinstance(module, LoraLayer) and id(module) not in in_layers]
+    outside = [name for name, module in lora_layers(model) if id(module) not in in_layers]
     if outside:
         raise ConfigError(f"{key}.target_modules: adapters go on the decoder layers' linear layers, not on {outside} (the output layer "
                           f"and the embeddings are read directly by the loss); the model's linear layers: {', '.join(linear)}")
@@ -61,15 +63,25 @@ def add_adapters(model: nn.Module, lora: LoRASettings, seed: int) -> None:
         param.requires_grad_(LORA_A in name or LORA_B in name)
 
 
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's adapted layers (name, peft's layer); none where peft was never imported, as only add_adapters
+    makes them."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+
+
 def has_adapters(model: nn.Module) -> bool:
-    return any(isinstance(module, LoraLayer) for module in model.modules())
+    return bool(lora_layers(model))
 
 
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The pretrained model, for the reference log-probs: every adapter off until the block ends (a model without
     adapters is left as it is)."""
-    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    layers = [module for _, module in lora_layers(model)]
     for layer in layers:
         layer.enable_adapters(False)
     try:
@@ -83,7 +95,7 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None, bucket_by
     """(name, full tensor) of the model's weights under the Hugging Face model's own names, in `dtype`: the sharded
     parameters gathered `bucket_bytes` at a time (distributed/fsdp.full_parameters; every rank must iterate), each
     adapted layer's weight merged in fp32 as W + scaling * B @ A once its three parts have arrived."""
-    scaling = {name: module.scaling[ADAPTER] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    scaling = {name: module.scaling[ADAPTER] for name, module in lora_layers(model)}
     if not scaling:
         yield from full_parameters(model, dtype, bucket_bytes)
         return

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from fsdptrain.config.base import one_of, read_config
+from fsdptrain.config.base import check_packages, one_of, read_config
 from fsdptrain.config.grpo import ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, own_checks, validate_critic
-from fsdptrain.config.shared import validate_sequence_parallel
+from fsdptrain.config.shared import logger_packages, validate_sequence_parallel
 from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
 from fsdptrain.distributed.mesh import World, check_fsdp_size, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import compute_dtype, warn_if_emulated
@@ -372,7 +372,14 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: check_add_gt(config),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: check_layout(config, world),
+        *([lambda: check_packages(run_packages(config))] if world.here else []),
     ]
+
+
+def run_packages(config: GRPOConfig) -> dict[str, str]:
+    """The optional packages the run imports later: its loggers', and vLLM for its rollouts."""
+    engine = {f"{ROLLOUT}.name=vllm": "vllm"} if config.actor_rollout_ref.rollout.name == "vllm" else {}
+    return {**logger_packages(config.trainer), **engine}
 
 
 def read_grpo_config(cfg: DictConfig, problems: Sequence[str] = (), world: World | None = None) -> GRPOConfig:

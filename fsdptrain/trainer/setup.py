@@ -25,7 +25,7 @@ from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
 from fsdptrain.distributed.roll_call import roll_call, start_heartbeat, stop_heartbeat
 from fsdptrain.errors import ConfigError, LostRankError
-from fsdptrain.logging.metrics import MetricLogger, progress_bar
+from fsdptrain.logging.metrics import MetricLogger, StepLines, progress_bar
 from fsdptrain.models.added_tokens import AddedTokens, TrainedRows
 from fsdptrain.models.liger import apply_liger_kernels
 from fsdptrain.models.loading import build_model
@@ -100,7 +100,7 @@ class Run:
     scheduler: LRScheduler
     checkpoints: CheckpointManager
     logger: MetricLogger
-    bar: tqdm
+    bar: tqdm | StepLines
     trainer: TrainerConfig
     total_steps: int
     step: int  # the last completed step: 0, or the resumed checkpoint's
@@ -177,7 +177,7 @@ def open_run(
         parallel.is_main, resume_step=step,
     )
     trained.train()
-    bar = progress_bar(total_steps, step, parallel.is_main)
+    bar = progress_bar(total_steps, step, parallel.is_main, trainer.logger)
     return Run(parallel, trained, optimizer, scheduler, checkpoints, logger, bar, trainer, total_steps, step, trained_rows)
 
 

