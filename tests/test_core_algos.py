@@ -31,8 +31,13 @@ def test_reinforce_plus_plus_returns_and_whitening():
     rewards, mask = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     torch.testing.assert_close(core_algos.discounted_returns(rewards, mask, 0.5), torch.tensor([0.125, 0.25, 0.0, 0.0, 0.5, 1.0]))
     values = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    whitened = core_algos.masked_whiten(values, torch.ones(4), total=10.0, total_squares=30.0, count=4.0)
+    mean, variance = core_algos.batch_moments(values, torch.ones(4), lambda sums: sums)
+    assert (mean, variance) == (2.5, 5 / 3)
+    whitened = core_algos.masked_whiten(values, torch.ones(4), mean, variance)
     torch.testing.assert_close(whitened, (values - 2.5) / math.sqrt(5 / 3 + 1e-8))
+    # every value equal: 0 (no NaN), whatever the sums' rounding
+    constant = torch.full((1000,), 0.1)
+    assert core_algos.masked_whiten(constant, torch.ones(1000), *core_algos.batch_moments(constant, torch.ones(1000), lambda sums: sums)).eq(0).all()
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -180,9 +185,9 @@ def test_gae_equals_verls_on_random_padded_batches_with_tool_tokens(gamma, lam):
     per_row = [core_algos.gae_advantages_returns(rewards[r, :n], values[r, :n], mask[r, :n], gamma, lam) for r, n in enumerate(lengths)]
     flat = torch.cat([a for a, _ in per_row])
     flat_mask = torch.cat([mask[r, :n] for r, n in enumerate(lengths)])
-    total, squares, count = float((flat * flat_mask).sum()), float((flat.square() * flat_mask).sum()), float(flat_mask.sum())
+    mean, variance = core_algos.batch_moments(flat, flat_mask, lambda sums: sums)
     for row, (n, (advantages, returns)) in enumerate(zip(lengths, per_row)):
-        whitened = core_algos.masked_whiten(advantages, mask[row, :n], total, squares, count)
+        whitened = core_algos.masked_whiten(advantages, mask[row, :n], mean, variance)
         torch.testing.assert_close(whitened, expected_advantages[row, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(returns * mask[row, :n], expected_returns[row, :n] * mask[row, :n], rtol=1e-6, atol=1e-6)
 

@@ -11,7 +11,7 @@ import torch
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.core_algos import GroupSettings, PolicyLossSettings, PolicyTokens
 
-from checks.verl_reference import load_core_algos
+from checks.verl_reference import load_core_algos, load_verl
 
 verl = load_core_algos()
 pytestmark = pytest.mark.skipif(verl is None, reason="verl 0.9.1 is not unpacked under .cache/ (bash scripts/setup.sh test does it)")
@@ -171,8 +171,27 @@ def test_every_group_estimator_equals_verls(estimator, norm_by_std):
 
 
 def whiten(values, mask):
-    flat, m = values.flatten(), mask.flatten()
-    return core_algos.masked_whiten(values, mask, float((flat * m).sum()), float((flat.square() * m).sum()), float(m.sum()))
+    mean, variance = core_algos.batch_moments(values.flatten(), mask.flatten(), lambda sums: sums)
+    return core_algos.masked_whiten(values, mask, mean, variance)
+
+
+@pytest.mark.parametrize("case", ["all equal", "small spread", "seeded"])
+def test_whitening_equals_verls_where_one_pass_drifts(case):
+    """verl's masked_whiten (torch_functional) on batches where a one-pass variance (sums of squares less count x
+    mean²) drifts or turns negative: every value equal (verl: 0; one pass gave NaN), a spread of 0.01 around 1 over
+    20k tokens, and a seeded batch with masked tokens."""
+    verl_functional = load_verl("verl.utils.torch_functional")
+    g = torch.Generator().manual_seed(11)
+    if case == "all equal":
+        values, mask = torch.full((200, 100), 0.5), torch.ones(200, 100)
+    elif case == "small spread":
+        values, mask = 1 + 0.01 * torch.randn(200, 100, generator=g), torch.ones(200, 100)
+    else:
+        values, mask = torch.randn(6, 9, generator=g) * 3 + 2, (torch.rand(6, 9, generator=g) > 0.3).float()
+    expected = verl_functional.masked_whiten(values, mask) * mask
+    ours = whiten(values, mask)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max().clamp(min=1)))
 
 
 def test_gdpo_equals_verls_decoupled_normalization():

@@ -139,10 +139,9 @@ def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sampl
 
 def whitened(advantages: list[torch.Tensor], masks: list[torch.Tensor], parallel: Parallel) -> list[torch.Tensor]:
     """Advantages whitened with the mean and variance of every rank's response tokens."""
-    flat, mask = torch.cat(advantages), torch.cat(masks)
-    total, squares, count = all_reduce_sum([float((flat * mask).sum()), float((flat.square() * mask).sum()), float(mask.sum())],
-                                           parallel.device, parallel.dp_group)
-    return [core_algos.masked_whiten(a, m, total, squares, count) for a, m in zip(advantages, masks)]
+    mean, variance = core_algos.batch_moments(torch.cat(advantages), torch.cat(masks),
+                                              lambda sums: all_reduce_sum(sums, parallel.device, parallel.dp_group))
+    return [core_algos.masked_whiten(a, m, mean, variance) for a, m in zip(advantages, masks)]
 
 
 def put_token_values(samples: Sequence[Sample], generations: Sequence[Generation], values: Sequence[torch.Tensor], key: str) -> None:

@@ -215,12 +215,23 @@ def gae_advantages_returns(token_rewards: torch.Tensor, values: torch.Tensor, ma
     return advantages, advantages + values
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, total: float, total_squares: float, count: float, eps: float = 1e-8) -> torch.Tensor:
-    """(v - mean) / sqrt(var + eps) over the masked tokens of the whole batch, from its global sums (so that every
-    rank whitens with the same statistics); Bessel-corrected variance, as verl's masked_whiten."""
-    mean = total / count
-    variance = (total_squares - count * mean**2) / max(count - 1, 1)
-    return (values - mean) * torch.rsqrt(torch.tensor(variance + eps, dtype=values.dtype)) * mask
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, variance: float, eps: float = 1e-8) -> torch.Tensor:
+    """(v - mean) / sqrt(variance + eps) on the masked tokens, with the whole batch's mean and Bessel-corrected
+    variance (so that every rank whitens with the same statistics; `batch_moments` computes them), in fp64: verl's
+    masked_whiten. Equal values give 0, not NaN."""
+    whitened = (values.double() - mean) * (variance + eps) ** -0.5
+    return (whitened * mask).to(values.dtype)
+
+
+def batch_moments(values: torch.Tensor, mask: torch.Tensor, sum_over_ranks: Callable[[list[float]], list[float]]) -> tuple[float, float]:
+    """The mean and Bessel-corrected variance of the masked `values`, summed over the ranks by `sum_over_ranks`,
+    in two passes in fp64: one pass (the sum of squares less count x mean²) loses the variance when the spread is
+    small next to the mean, and can make it negative where every value is equal."""
+    values, mask = values.double(), mask.double()
+    total, count = sum_over_ranks([float((values * mask).sum()), float(mask.sum())])
+    mean = total / max(count, 1.0)
+    (squares,) = sum_over_ranks([float(((values - mean).square() * mask).sum())])
+    return mean, squares / max(count - 1.0, 1.0)
 
 
 # ---- aggregation -----------------------------------------------------------------------------------------------
