@@ -120,6 +120,9 @@ def grpo_config(*overrides):
         (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=pg"], "loss_type must be one of"),
         (["algorithm.adv_estimator=gdpo", "reward_model.enable=true", "reward_model.model.path=rm"],
          "name the rule-based reward in reward.sources"),
+        (["algorithm.adv_estimator=gdpo", "algorithm.use_kl_in_reward=true", "reward_model.overlong_buffer.enable=true"],
+         r"what changes the summed reward would be left out \(as verl's GDPO leaves it\): algorithm.use_kl_in_reward=true, "
+         "reward_model.overlong_buffer.enable=true"),
         (["algorithm.adv_estimator=remax", "algorithm.reward_norm=batch"], "adv_estimator=remax subtracts the greedy response's score"),
         (["algorithm.adv_estimator=optimal_token_baseline", "algorithm.rollout_correction.bypass_mode=true"], "which algorithm.rollout_correction"),
         (["algorithm.reward_shift=true"], "reward_shift=true says how algorithm.reward_norm normalizes"),

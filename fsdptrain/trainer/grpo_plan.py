@@ -244,10 +244,19 @@ def reward_sources(config: GRPOConfig) -> tuple[tuple[str, float], ...]:
 
 
 def check_decoupled_sources(config: GRPOConfig) -> None:
-    """GDPO normalizes each source's own scores: a reward that is no source would be left out."""
-    if config.algorithm.adv_estimator == "gdpo" and reward_sources(config) and not config.reward.sources:
+    """GDPO normalizes each source's own scores: a reward that is no source, or that changes the summed reward
+    token by token, would be left out (verl's GDPO drops them too), so it is refused."""
+    algorithm = config.algorithm
+    if algorithm.adv_estimator != "gdpo":
+        return
+    if reward_sources(config) and not config.reward.sources:
         raise ConfigError("algorithm.adv_estimator=gdpo normalizes each reward source on its own: with the reward model or the remote "
                           "server as sources, name the rule-based reward in reward.sources too (it is empty)")
+    shaping = {"algorithm.use_kl_in_reward": algorithm.use_kl_in_reward, "reward_model.overlong_buffer.enable": config.reward_model.overlong_buffer.enable,
+               "algorithm.reward_norm": algorithm.reward_norm, "algorithm.reward_clip": algorithm.reward_clip}
+    if given := [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in shaping.items() if value not in (None, False)]:
+        raise ConfigError(f"algorithm.adv_estimator=gdpo normalizes each source's scores in its group, so what changes the summed reward "
+                          f"would be left out (as verl's GDPO leaves it): {', '.join(given)}. Drop it, or use grpo")
 
 
 def check_reward_model_layout(config: GRPOConfig) -> None:
