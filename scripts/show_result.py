@@ -48,7 +48,7 @@ def main() -> None:
     gain, se = paired_difference(os.path.join(work, "eval", "sft.jsonl"), os.path.join(work, "eval", "grpo.jsonl"))
     print(f"GRPO - SFT on the same problems: {gain:+.3f} ± {se:.3f} ({gain / se if se else 0.0:+.1f} standard errors)")
     print(f"\nmodels: {work}/sft/global_step_*/huggingface, {work}/grpo/global_step_*/huggingface (transformers and vLLM load them)")
-    print(f"metrics: {work}/sft/metrics.jsonl, {work}/grpo/metrics.jsonl; plots: {work}/grpo/plots/; answers: {work}/eval/*.jsonl")
+    print(f"metrics: {work}/sft/metrics.jsonl, {work}/grpo/metrics.jsonl; plots: {work}/sft/plots/, {work}/grpo/plots/; answers: {work}/eval/*.jsonl")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ transformers dequantizes the GGUF weights to fp32; the folder then loads like an
 import sys
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from make_tiny import GGUF, smollm2_dir, smollm2_tokenizer
@@ -17,6 +18,8 @@ def main() -> None:
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
     out = sys.argv[1]
+    if not sys.stderr.isatty():  # a redrawn bar in a log file is a line of carriage returns
+        transformers.logging.disable_progress_bar()
     dequantized = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=GGUF, dtype=torch.float32)
     config = dequantized.config
     # The weights are plain fp32 now; without the GGUF marker the folder saves and loads as an ordinary model.

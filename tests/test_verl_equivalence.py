@@ -53,7 +53,7 @@ def our_loss(loss_mode, agg_mode, settings, log_probs, old, advantages, mask):
     tokens = ours_tokens(log_probs, old, advantages, mask)
     per_token, clipped, lower = core_algos.POLICY_LOSSES[loss_mode](tokens, settings)
     mode = core_algos.POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
-    sequences = float((mask.sum(-1) > 0).sum()) if loss_mode != "geo_mean" else float(len(mask))  # verl's torch.mean over rows
+    sequences = core_algos.loss_rows((mask.sum(-1) > 0).tolist(), loss_mode)  # GMPO: verl's torch.mean over every row
     loss = core_algos.agg_loss(per_token, tokens.mask, tokens.sequence_tokens, mode, float(mask.sum()), sequences, mask.shape[1])
     return loss, clipped.sum() / mask.sum(), lower.sum() / mask.sum()
 
@@ -125,6 +125,28 @@ def test_every_policy_loss_equals_verls(loss_mode, agg_mode):
                 assert float(clipfrac) == pytest.approx(metrics["actor/pg_clipfrac"], abs=1e-6)
                 if "actor/pg_clipfrac_lower" in metrics:
                     assert float(lower) == pytest.approx(metrics["actor/pg_clipfrac_lower"], abs=1e-6)
+
+
+@pytest.mark.parametrize("agg_mode", AGG_MODES)
+def test_gmpo_with_token_is_weights_equals_verls(agg_mode):
+    """GMPO under rollout correction's token-level IS weights (an empty row included): each sequence weighed by the
+    geometric mean of its tokens' weights, and the loss averaged over every row, as verl's geo_mean."""
+    settings = PolicyLossSettings(clip_low=0.2, clip_high=0.28)
+    for seed in range(3):
+        log_probs, old, advantages, mask = padded_batch(seed)
+        weights = (torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed)) * 1.5 + 0.25) * mask
+        ours_input, verl_input = log_probs.clone().requires_grad_(), log_probs.clone().requires_grad_()
+        tokens = ours_tokens(ours_input, old, advantages, mask)
+        per_token, _, _ = core_algos.POLICY_LOSSES["geo_mean"](tokens, settings)
+        per_token = core_algos.is_weighted(per_token, weights.flatten(), "geo_mean", tokens)
+        loss = core_algos.agg_loss(per_token, tokens.mask, tokens.sequence_tokens, "seq-mean-token-sum", float(mask.sum()),
+                                   core_algos.loss_rows((mask.sum(-1) > 0).tolist(), "geo_mean"), mask.shape[1])
+        verl_loss, _ = verl.get_policy_loss_fn("geo_mean")(old, verl_input, advantages, mask, agg_mode, verl_config(settings, "geo_mean"),
+                                                           weights)
+        torch.testing.assert_close(loss, verl_loss, **TOLERANCE)
+        loss.backward()
+        verl_loss.backward()
+        torch.testing.assert_close(ours_input.grad, verl_input.grad, **TOLERANCE)
 
 
 GROUPS = np.array([0, 0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 4, 4])  # uneven groups, one of one sample

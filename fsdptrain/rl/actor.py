@@ -121,11 +121,11 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, targets: dict[str, t
 
 
 def mini_batch_aggregation(mini: list[Sample], agg_mode: str, loss_scale_factor: float | None, max_response_length: int,
-                           parallel: Parallel) -> Callable[..., torch.Tensor]:
+                           parallel: Parallel, loss_mode: str = "vanilla") -> Callable[..., torch.Tensor]:
     """core_algos.agg_loss in `agg_mode` over the mini-batch's global token and sequence counts (every
-    data-parallel rank's samples of it): call it with a micro-batch's per-token losses, `mask` and
-    `sequence_tokens`."""
-    local = [sum(float(s.loss_mask[1:].sum()) for s in mini), sum(float(s.loss_mask[1:].any()) for s in mini)]
+    data-parallel rank's samples of it; the sequences as `loss_mode` counts them, core_algos.loss_rows): call it
+    with a micro-batch's per-token losses, `mask` and `sequence_tokens`."""
+    local = [sum(float(s.loss_mask[1:].sum()) for s in mini), core_algos.loss_rows([bool(s.loss_mask[1:].any()) for s in mini], loss_mode)]
     global_tokens, global_sequences = all_reduce_sum(local, parallel.device, parallel.dp_group)
     return partial(core_algos.agg_loss, mode=agg_mode, global_tokens=global_tokens, global_sequences=global_sequences,
                    max_response_length=max_response_length, loss_scale_factor=loss_scale_factor)
@@ -152,6 +152,10 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
     metrics and its token count."""
     aggregate = mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor, loss_settings.max_response_length,
                                        parallel)
+    policy_aggregate = aggregate
+    if core_algos.POLICY_LOSSES.info[loss_settings.loss_mode].get("every_row"):
+        policy_aggregate = mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor,
+                                                  loss_settings.max_response_length, parallel, loss_settings.loss_mode)
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
     if loss_settings.sft_coef:
         # the SFT term is a token mean over the correct responses' tokens; its metric, that mean, is summed here
@@ -178,9 +182,9 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
                                          targets["sequence_tokens"])
         pg, clipped, lower = core_algos.POLICY_LOSSES[loss_settings.loss_mode](tokens, loss_settings.policy)
         if "rollout_is_weight" in targets:
-            pg = pg * targets["rollout_is_weight"]
+            pg = core_algos.is_weighted(pg, targets["rollout_is_weight"], loss_settings.loss_mode, tokens)
         per_token = partial(aggregate, mask=mask, sequence_tokens=targets["sequence_tokens"])
-        loss = per_token(pg, mode=loss_settings.policy_agg_mode)
+        loss = policy_aggregate(pg, mask=mask, sequence_tokens=targets["sequence_tokens"], mode=loss_settings.policy_agg_mode)
         if loss_settings.entropy_coeff != 0:  # else the entropy is only a metric, and its backward is skipped
             loss = loss - loss_settings.entropy_coeff * per_token(entropy)
         if loss_settings.kl_coef is not None:

@@ -8,7 +8,7 @@ slice of a batch.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,9 @@ from fsdptrain.registry import Registry
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 # Each loss: (PolicyTokens, PolicyLossSettings) -> (per-token loss, clipped mask, lower-clipped mask). `agg_mode`:
 # the aggregation it always takes; `batch_local`: it reads statistics of its micro-batch (its gradient depends on
-# the split); `old_from_rollout`: its old log-probs are the rollout engine's.
+# the split); `old_from_rollout`: its old log-probs are the rollout engine's; `sequence_is_weight`: rollout
+# correction weighs each sequence by the geometric mean of its tokens' IS weights (is_weighted); `every_row`: it
+# averages over every sequence of the mini-batch, those without a loss token too (loss_rows).
 POLICY_LOSSES: Registry = Registry("policy loss")
 # Each mode: (masked per-token loss, sequence_tokens, global tokens, global sequences, Dr. GRPO's norm) -> scalar.
 LOSS_AGG_MODES: Registry = Registry("loss aggregation mode")
@@ -319,6 +321,20 @@ def log_ratio(tokens: PolicyTokens) -> torch.Tensor:
     return (tokens.log_probs - tokens.old_log_probs).clamp(-20.0, 20.0)
 
 
+def is_weighted(loss: torch.Tensor, weights: torch.Tensor, loss_mode: str, tokens: PolicyTokens) -> torch.Tensor:
+    """A policy loss times rollout correction's IS weights: token by token, or, for a loss of whole sequences
+    (GMPO), by each sequence's geometric mean of its tokens' weights, as verl's."""
+    if POLICY_LOSSES.info[loss_mode].get("sequence_is_weight"):
+        weights = torch.exp(tokens.sequence_mean(torch.log(weights + 1e-10)))
+    return loss * weights
+
+
+def loss_rows(has_loss_tokens: Sequence[bool], loss_mode: str) -> float:
+    """The sequences a policy loss averages over: those with a loss token, or all of them for a loss that counts
+    every row (GMPO: verl's torch.mean over the batch's rows, where mask_truncated_completions empties some)."""
+    return float(len(has_loss_tokens)) if POLICY_LOSSES.info[loss_mode].get("every_row") else float(sum(has_loss_tokens))
+
+
 def on_sequence(value: torch.Tensor, per_token_term: torch.Tensor, tokens: PolicyTokens) -> torch.Tensor:
     """A per-sequence loss `value` (detached, on each token) spread over its tokens so that their sum is the
     value and each token's gradient is that of its own `per_token_term` times the value: d value / d term_t when
@@ -412,7 +428,7 @@ def kl_cov_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     return loss, penalized * mask, torch.zeros_like(mask)
 
 
-@POLICY_LOSSES.register("geo_mean", agg_mode="seq-mean-token-sum")
+@POLICY_LOSSES.register("geo_mean", agg_mode="seq-mean-token-sum", sequence_is_weight=True, every_row=True)
 def geo_mean_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """GMPO: per sequence -A exp(mean_t clip_t(log r_t)), the geometric mean of the token ratios, each log-ratio
     clipped to [-low, high] on the side its advantage's sign pushes; A the sequence's mean advantage; averaged
