@@ -3,6 +3,7 @@ and a helper that runs the real CLI on several processes (as torchrun starts the
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
+from fsdptrain.data.chat import tokenize_conversation
 from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
 from fsdptrain.trainer.grpo_plan import read_grpo_config
@@ -248,3 +250,58 @@ def wait_until_serving(url: str, process: subprocess.Popen) -> None:
         except httpx.HTTPError:
             time.sleep(0.1)
     raise AssertionError(f"{url} did not answer in 60 s")
+
+
+# ---- session data and models several modules share (defined here once: a fixture imported into a module is that
+# module's own, set up again for each) ----
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    share = solution_str.count("e") / max(len(solution_str), 1)
+    return {"score": share, "acc": float(share > 0.1), "length": float(len(solution_str))}
+"""
+
+
+@pytest.fixture(scope="session")
+def rl_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl")
+    subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(out), "--train", "32", "--val", "4", "--test", "4"],
+                   cwd=REPO, check=True, capture_output=True)
+    (out / "reward.py").write_text(REWARD)
+    return out
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+
+
+def tool_conversation(a: int, b: int, with_tool: bool) -> list[dict]:
+    user = {"role": "user", "content": f"What is {a} * {b}?"}
+    if not with_tool:
+        return [user, {"role": "assistant", "content": "#### 408"}]
+    return [user, {"role": "assistant", "content": CALL}, {"role": "tool", "content": "408"}, {"role": "assistant", "content": "#### 408"}]
+
+
+def train_tool_caller(path, tokenizer) -> str:
+    """A tiny Llama (64-wide heads, which vLLM's CPU attention needs) taught with plain torch to answer `What is a *
+    b?` with a calculator call in 7 of 10 conversations and `#### 408` at once in the others."""
+    directory = save_tiny_model(path, "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(0)
+    for _ in range(100):
+        batch = [tokenize_conversation(tokenizer, tool_conversation(rng.randint(2, 999), rng.randint(2, 999), rng.random() < 0.7))
+                 for _ in range(4)]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([ids + [2] * (width - len(ids)) for ids, _ in batch])
+        labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in batch])
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory, tokenizer) -> str:
+    return train_tool_caller(tmp_path_factory.mktemp("tool_caller"), tokenizer)

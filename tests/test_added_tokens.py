@@ -22,7 +22,7 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.models.added_tokens import add_model_tokens, grow_embeddings, read_added_tokens
 
 from conftest import REPO, assert_same_run, grpo_config_problems, run_sft, save_tiny_model, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 CODES = 6  # per level: 18 tokens
 SAVE_HF = "[model,optimizer,extra,hf_model]"
@@ -151,7 +151,7 @@ def test_an_untied_output_layer_trains_its_added_rows_alone(tmp_path, tokenizer,
 
 
 @pytest.mark.slow
-def test_grpo_from_the_sft_export_keeps_the_freeze(tmp_path, tiny_llama, catalog, frozen_dp1, rl_data):  # noqa: F811
+def test_grpo_from_the_sft_export_keeps_the_freeze(tmp_path, tiny_llama, catalog, frozen_dp1, rl_data):
     """GRPO from the SFT export, whose tokenizer already holds the tokens (nothing is added), with freeze_llm and
     the KL loss (the reference is built with the same rows): every parameter but the added rows stays the base's."""
     export = os.path.join(frozen_dp1, "global_step_3", "huggingface")
@@ -170,7 +170,7 @@ def test_grpo_from_the_sft_export_keeps_the_freeze(tmp_path, tiny_llama, catalog
     assert not torch.equal(end["model.embed_tokens.weight"][ids], start["model.embed_tokens.weight"][ids])
 
 
-def test_grpo_refuses_to_grow_a_model_its_engine_loads_as_it_is(tmp_path, tiny_llama, catalog, rl_data):  # noqa: F811
+def test_grpo_refuses_to_grow_a_model_its_engine_loads_as_it_is(tmp_path, tiny_llama, catalog, rl_data):
     result = subprocess.run([sys.executable, "-m", "fsdptrain.check", "grpo", *grpo_args(tiny_llama, rl_data, str(tmp_path),
                              actor_rollout_ref__model__added_tokens_file=catalog["index"])], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0

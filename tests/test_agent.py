@@ -6,7 +6,6 @@ multi-turn runs are in test_agent_runs.py."""
 
 import asyncio
 import json
-import random
 import subprocess
 import sys
 import time
@@ -17,7 +16,6 @@ import pytest
 import torch
 from test_chat_templates import FAMILIES, TURNS, template_tokenizer
 
-from fsdptrain.data.chat import tokenize_conversation
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.agent.interactions import EnvironmentInteraction, check_interaction_names
 from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings, truncate_response
@@ -30,44 +28,9 @@ from fsdptrain.rl.rewards import Scorer
 from fsdptrain.rl.rollout.base import group_ids
 from fsdptrain.rl.rollout.hf import HFRollout
 
-from conftest import REPO, save_tiny_model
+from conftest import CALL, REPO, tool_conversation
 
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
 SCHEMAS = [CalculatorTool.SCHEMA]
-
-
-def tool_conversation(a: int, b: int, with_tool: bool) -> list[dict]:
-    user = {"role": "user", "content": f"What is {a} * {b}?"}
-    if not with_tool:
-        return [user, {"role": "assistant", "content": "#### 408"}]
-    return [user, {"role": "assistant", "content": CALL}, {"role": "tool", "content": "408"}, {"role": "assistant", "content": "#### 408"}]
-
-
-def train_tool_caller(path, tokenizer) -> str:
-    """A tiny Llama (64-wide heads, which vLLM's CPU attention needs) taught with plain torch to answer `What is a *
-    b?` with a calculator call in 7 of 10 conversations and `#### 408` at once in the others."""
-    directory = save_tiny_model(path, "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rng = random.Random(0)
-    for _ in range(100):
-        batch = [tokenize_conversation(tokenizer, tool_conversation(rng.randint(2, 999), rng.randint(2, 999), rng.random() < 0.7))
-                 for _ in range(4)]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([ids + [2] * (width - len(ids)) for ids, _ in batch])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in batch])
-        model(input_ids=ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="session")
-def tool_model(tmp_path_factory, tokenizer) -> str:
-    return train_tool_caller(tmp_path_factory.mktemp("tool_caller"), tokenizer)
 
 
 # ---- parsing, the calculator, truncation -------------------------------------------------------------------------

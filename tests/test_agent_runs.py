@@ -13,7 +13,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_agent import tool_model  # noqa: F401  (a fixture)
 from transformers import AutoModelForCausalLM
 
 from checks.verl_reference import load_core_algos
@@ -72,7 +71,7 @@ def dumped(out: str, step: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def agent_run(tmp_path_factory, tool_model, agent_data):  # noqa: F811
+def agent_run(tmp_path_factory, tool_model, agent_data):
     out = str(tmp_path_factory.mktemp("agent_run"))
     torchrun(2, "fsdptrain.grpo_trainer", agent_args(tool_model, agent_data, out))
     return out
@@ -100,7 +99,7 @@ def test_a_multi_turn_run_reports_its_turns_tools_and_drift(agent_run):
     assert metrics[0]["response_length/mean"] == pytest.approx(sum(sum(r["response_mask"]) for r in rows) / len(rows))
 
 
-def test_the_loss_is_over_the_generated_tokens_alone(agent_run, tool_model):  # noqa: F811
+def test_the_loss_is_over_the_generated_tokens_alone(agent_run, tool_model):
     """Step 1's entropy and policy loss from a plain transformers forward of the initial model over the dumped
     trajectories, counting only mask-1 tokens: the logged figures. Counting the tool's tokens too gives other
     numbers (checked, so that this test can fail)."""
@@ -125,7 +124,7 @@ def test_the_loss_is_over_the_generated_tokens_alone(agent_run, tool_model):  # 
     assert step["actor/pg_loss"] == pytest.approx(-weighted_advantage / tokens, abs=1e-5)
 
 
-def test_the_multi_turn_optimal_token_baseline_is_verls_over_the_agent_loops_masks(tmp_path, tool_model, agent_data):  # noqa: F811
+def test_the_multi_turn_optimal_token_baseline_is_verls_over_the_agent_loops_masks(tmp_path, tool_model, agent_data):
     """tir_optimal_token_baseline on tool-calling trajectories: each dumped advantage (the mean over the trajectory's
     generated tokens) is that of verl's own function given the initial model's log-probs and squared-probability
     sums over the dumped trajectories (a plain transformers forward) and the agent loop's masks, with the tools'
@@ -157,7 +156,7 @@ def test_the_multi_turn_optimal_token_baseline_is_verls_over_the_agent_loops_mas
     assert expected.abs().max() > 1e-3
 
 
-def test_a_resumed_run_draws_the_same_trajectories(tmp_path, tool_model, agent_data, agent_run):  # noqa: F811
+def test_a_resumed_run_draws_the_same_trajectories(tmp_path, tool_model, agent_data, agent_run):
     out = str(tmp_path)
     torchrun(2, "fsdptrain.grpo_trainer", agent_args(tool_model, agent_data, out, trainer__total_training_steps=1, trainer__save_freq=1))
     torchrun(2, "fsdptrain.grpo_trainer", agent_args(tool_model, agent_data, out, trainer__save_freq=1))
@@ -168,7 +167,7 @@ def test_a_resumed_run_draws_the_same_trajectories(tmp_path, tool_model, agent_d
         assert resumed[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
 
 
-def test_vllm_gives_the_trajectories_hf_gives(tmp_path, tool_model, agent_data):  # noqa: F811
+def test_vllm_gives_the_trajectories_hf_gives(tmp_path, tool_model, agent_data):
     """Greedy rollouts (one step, no update) on both engines: the same turns, tool calls, masks and tokens."""
     pytest.importorskip("vllm")
     runs = {}
@@ -184,7 +183,7 @@ def test_vllm_gives_the_trajectories_hf_gives(tmp_path, tool_model, agent_data):
     assert any(r["trace"]["tool_calls"] for r in runs["hf"])
 
 
-def test_sokoban_runs_end_to_end_through_the_environment(tmp_path, tool_model):  # noqa: F811
+def test_sokoban_runs_end_to_end_through_the_environment(tmp_path, tool_model):
     data = tmp_path / "sokoban"
     subprocess.run([sys.executable, "scripts/make_sokoban_data.py", str(data), "--train", "4", "--val", "2", "--max-steps", "3"], cwd=REPO,
                    check=True, capture_output=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import read_metrics, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 N = 4  # responses a prompt (grpo_args)
 ACTOR, CORRECTION = "actor_rollout_ref__actor", "algorithm__rollout_correction"
@@ -42,7 +42,7 @@ METRICS = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "act
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
+def runs(tmp_path_factory, tiny_llama, rl_data):
     """Each of RUNS, two steps, its rollouts dumped; GDPO's with two weighted reward sources."""
     outs = {}
     for name, overrides in RUNS.items():
@@ -127,7 +127,7 @@ def test_the_new_estimators_advantages_are_the_papers(runs, name):
 
 
 @pytest.mark.slow
-def test_remax_subtracts_the_greedy_responses_score(tmp_path, tiny_llama, rl_data, runs):  # noqa: F811
+def test_remax_subtracts_the_greedy_responses_score(tmp_path, tiny_llama, rl_data, runs):
     """With sampling, the advantages spread and the greedy rollout is timed; without (do_sample=false) every
     response is the greedy one, so each advantage is exactly 0."""
     metrics = read_metrics(runs["cispo-remax"])

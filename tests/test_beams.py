@@ -27,7 +27,7 @@ from fsdptrain.rl.sampling import with_answers
 from fsdptrain.rl.validation import mean_and_se, ranking_values
 
 from conftest import REPO, grpo_config_problems, read_metrics, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 ITEMS = ["apple pie", "apple tart", "banana", "cherry jam", "cherry", "date", "elder flower tea", "fig"]
 
@@ -161,7 +161,7 @@ def test_beam_settings_that_cannot_work_are_refused(catalog_file):
 
 
 @pytest.mark.slow
-def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_llama, rl_data):
     """The arithmetic prompts, the catalog their answers and some distractors, the ranking reward alone, add_gt:
     every response of every group is a catalog item and an end token, each group's 4 beams distinct and the
     ground truth among them; validation logs HR@1 and NDCG@1."""
@@ -194,7 +194,7 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
 
 
 @pytest.mark.slow
-def test_grpo_samples_constrained_to_a_catalog(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_grpo_samples_constrained_to_a_catalog(tmp_path, tiny_llama, rl_data):
     """Sampling (not beams) constrained to the arithmetic answers and some distractors: every response of the
     run is a catalog item and an end token, and the engine's log-probs are the trainer's (no renormalization on
     either side: their largest difference stays at rounding)."""

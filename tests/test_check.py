@@ -8,10 +8,10 @@ import sys
 from fsdptrain.check import main
 
 from conftest import REPO, sft_args
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 
-def test_a_grpo_run_for_eight_gpus_would_start_with_its_sizes(tiny_llama, rl_data, capsys):  # noqa: F811
+def test_a_grpo_run_for_eight_gpus_would_start_with_its_sizes(tiny_llama, rl_data, capsys):
     args = grpo_args(tiny_llama, rl_data, "unused", data__train_batch_size=8, actor_rollout_ref__actor__ulysses_sequence_parallel_size=2,
                      trainer__total_training_steps="null", trainer__total_epochs=2, trainer__device="cuda",
                      actor_rollout_ref__model__use_fused_kernels="True")
@@ -24,7 +24,7 @@ def test_a_grpo_run_for_eight_gpus_would_start_with_its_sizes(tiny_llama, rl_dat
     assert "use_fused_kernels=True changes nothing here" in err  # a verl key, named with its reason
 
 
-def test_every_problem_of_a_command_line_is_named_and_the_exit_is_1(tiny_llama, rl_data, capsys):  # noqa: F811
+def test_every_problem_of_a_command_line_is_named_and_the_exit_is_1(tiny_llama, rl_data, capsys):
     args = grpo_args(tiny_llama, rl_data, "unused", data__train_batch_size=6, actor_rollout_ref__actor__optim__lrr=1,
                      actor_rollout_ref__actor__use_torch_compile="True")
     assert main(["grpo", "--nproc-per-node", "4", *args]) == 1
@@ -34,7 +34,7 @@ def test_every_problem_of_a_command_line_is_named_and_the_exit_is_1(tiny_llama, 
     assert "data.train_batch_size (6) must be divisible by the data-parallel size (4)" in err
 
 
-def test_the_data_and_the_model_are_read_as_training_reads_them(tiny_llama, rl_data, chat_data, tmp_path, capsys):  # noqa: F811
+def test_the_data_and_the_model_are_read_as_training_reads_them(tiny_llama, rl_data, chat_data, tmp_path, capsys):
     missing = grpo_args(tiny_llama, rl_data, "unused", data__train_files=str(tmp_path / "nope.parquet"))
     assert main(["grpo", *missing]) == 1
     assert "data.train_files" in capsys.readouterr().err
@@ -54,7 +54,7 @@ def test_it_runs_as_a_command_without_torchrun(tiny_llama, chat_data):
     assert "the sft run would start" in result.stdout
 
 
-def test_on_this_machine_the_packages_the_run_imports_are_checked(tiny_llama, rl_data, tmp_path, capsys):  # noqa: F811
+def test_on_this_machine_the_packages_the_run_imports_are_checked(tiny_llama, rl_data, tmp_path, capsys):
     """--device cpu is this machine: a logger's package or vLLM that does not import here fails the check, naming
     what to install (here both made to fail by broken copies first on the path); for a machine with a GPU, which
     this one is not, they are not checked, and the output says so."""

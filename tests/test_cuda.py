@@ -13,7 +13,7 @@ from fsdptrain.models.loss import chunked_cross_entropy_sum
 from fsdptrain.rl.rollout.hf import HFRollout
 
 from conftest import losses, read_metrics, run_sft, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -143,7 +143,7 @@ def test_liger_kernels_give_the_losses_of_transformers_modules(tmp_path, tiny_ll
 
 
 @pytest.mark.parametrize("liger", ["false", "true"])
-def test_grpo_runs_on_cuda_with_the_engine_agreeing(tmp_path, tiny_llama, rl_data, liger):  # noqa: F811
+def test_grpo_runs_on_cuda_with_the_engine_agreeing(tmp_path, tiny_llama, rl_data, liger):
     """Two GRPO steps on CUDA in bf16 (the default) with the HF engine's sampling log-probs: the trainer's
     old-policy log-probs agree with them to bf16 precision, and the update moves the weights; with liger's kernels
     (where installed) too."""
@@ -200,7 +200,7 @@ def test_offload_between_phases_frees_the_device_and_trains_the_same(tiny_llama)
     assert "offload check passed" in result.stdout
 
 
-def test_grpo_with_every_offload_key_runs_on_cuda(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_grpo_with_every_offload_key_runs_on_cuda(tmp_path, tiny_llama, rl_data):
     """The actor's, the reference's and the critic's offload keys in a PPO run with a KL loss on CUDA: it trains, and
     its first step's losses are those of the run without them."""
     ppo = dict(algorithm__adv_estimator="gae", actor_rollout_ref__rollout__n=1, actor_rollout_ref__actor__use_kl_loss="true", trainer__device="cuda",

@@ -13,14 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from checks.common import relative_gap
-from conftest import REPO, read_metrics, save_tiny_model, torchrun
-
-REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    share = solution_str.count("e") / max(len(solution_str), 1)
-    return {"score": share, "acc": float(share > 0.1), "length": float(len(solution_str))}
-"""
-
+from conftest import REPO, REWARD, read_metrics, save_tiny_model, torchrun
 
 TOLERANCE = 5e-6  # of the gradient's norm
 
@@ -49,15 +42,6 @@ def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_ll
             # fp32: another packing changes the shapes of every matmul, and so the order of its sums; repacking
             # alone, in one process with full logits, moves this gradient by 2.4e-6 of its norm
             assert gap < TOLERANCE, f"{layout} {combination}: {gap:.2e} of the gradient's norm"
-
-
-@pytest.fixture(scope="module")
-def rl_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rl")
-    subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(out), "--train", "32", "--val", "4", "--test", "4"],
-                   cwd=REPO, check=True, capture_output=True)
-    (out / "reward.py").write_text(REWARD)
-    return out
 
 
 def grpo_args(model: str, data: Path, out: str, **overrides) -> list[str]:
@@ -194,6 +178,21 @@ def test_sequence_parallel_dynamic_sampling_and_rollout_correction(tmp_path, tin
         assert m["training/rollout_probs_diff_max"] < 1e-4
         assert abs(m["rollout_corr/kl"]) < 1e-5
         assert m["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_that_runs_out_of_batches_names_the_key(tmp_path, tiny_llama, rl_data):
+    """Every group scored alike (a constant reward) leaves dynamic sampling nothing to keep: after
+    max_num_gen_batches the run ends with the user's message, once, without a traceback (under torchrun)."""
+    reward = tmp_path / "constant.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    result = torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, str(tmp_path / "run"), algorithm__filter_groups__enable="true",
+                                                             algorithm__filter_groups__max_num_gen_batches=2, custom_reward_function__path=str(reward),
+                                                             data__val_files="null"), check=False, extra=["--max-restarts=0"])
+    assert result.returncode == 1
+    workers = result.stderr[: result.stderr.find("torch/distributed/elastic")]  # before torchrun's own summary
+    assert "Traceback" not in workers, result.stderr[-3000:]
+    assert workers.count("algorithm.filter_groups: 0 groups with varying acc after max_num_gen_batches=2 batches") == 1, result.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.verl_keys import translate
 
 from conftest import REPO, assert_same_run, assert_same_weights, grpo_config_problems, hf_weights, read_metrics, run_sft, save_tiny_model, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 from test_verl_keys import script_overrides, with_local
 
 SEED, LR, KL_COEF, CLIP = 1, 1e-2, 0.1, 1.0  # trainer.seed initializes the adapters
@@ -76,7 +76,7 @@ def grpo_reference(model_dir: str, rollouts: list[list[dict]]) -> tuple[list[dic
 
 
 @pytest.mark.slow
-def test_lora_grpo_on_two_processes_equals_peft_replaying_its_rollouts(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_lora_grpo_on_two_processes_equals_peft_replaying_its_rollouts(tmp_path, tiny_llama, rl_data):
     """Two steps with the KL loss (the reference: the policy with its adapters off), one mini-batch each; the
     engine samples from the merged weights, so its log-probs are the trainer's."""
     out = str(tmp_path)
@@ -181,7 +181,7 @@ def test_verls_lora_recipe_loads_as_written(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_vllm_samples_from_the_merged_weights(tmp_path, tokenizer, rl_data):  # noqa: F811
+def test_vllm_samples_from_the_merged_weights(tmp_path, tokenizer, rl_data):
     model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                             num_key_value_heads=1)  # vLLM's CPU attention has no kernel for narrower heads
     out = str(tmp_path / "run")

@@ -30,7 +30,7 @@ from conftest import (
     wait_for_checkpoint,
     workers,
 )
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 pytestmark = pytest.mark.slow
 
@@ -167,7 +167,7 @@ def grpo_run_args(model: str, data, **overrides) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def grpo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
+def grpo_straight(tmp_path_factory, tiny_llama, rl_data):
     out = str(tmp_path_factory.mktemp("grpo_straight"))
     torchrun(2, "fsdptrain.grpo_trainer", [*grpo_run_args(tiny_llama, rl_data), f"trainer.default_local_dir={out}"])
     return out
@@ -175,7 +175,7 @@ def grpo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
 
 @pytest.mark.parametrize("kill_at", ["gen@2", "update_weights@2", "update_actor@3", "save@2"],
                          ids=["mid-rollout", "mid-weight-sync", "mid-step", "mid-save"])
-def test_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, tiny_llama, rl_data, grpo_straight, kill_at):  # noqa: F811
+def test_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, tiny_llama, rl_data, grpo_straight, kill_at):
     assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(tiny_llama, rl_data), kill_at), grpo_straight)
 
 
@@ -192,7 +192,7 @@ def vllm_llama(tmp_path_factory, tokenizer) -> str:
 
 
 @pytest.fixture(scope="module")
-def vllm_straight(tmp_path_factory, vllm_llama, rl_data):  # noqa: F811
+def vllm_straight(tmp_path_factory, vllm_llama, rl_data):
     out = str(tmp_path_factory.mktemp("vllm_straight"))
     torchrun(2, "fsdptrain.grpo_trainer", [*grpo_run_args(vllm_llama, rl_data, **VLLM), f"trainer.default_local_dir={out}"])
     return out
@@ -200,5 +200,5 @@ def vllm_straight(tmp_path_factory, vllm_llama, rl_data):  # noqa: F811
 
 @needs_vllm
 @pytest.mark.parametrize("kill_at", ["gen@2", "update_weights@2"], ids=["mid-rollout", "mid-weight-sync"])
-def test_vllm_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, vllm_llama, rl_data, vllm_straight, kill_at):  # noqa: F811
+def test_vllm_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, vllm_llama, rl_data, vllm_straight, kill_at):
     assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(vllm_llama, rl_data, **VLLM), kill_at), vllm_straight)

@@ -22,7 +22,7 @@ from fsdptrain.trainer.grpo_plan import read_grpo_config, uses_critic
 
 from checks.common import relative_gap
 from conftest import read_metrics, save_tiny_model, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 from test_verl_keys import script_overrides, sizes_and_paths, with_local
 
 EXAMPLES = Path(__file__).parent / "verl_examples"
@@ -61,14 +61,14 @@ CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "
 
 
 @pytest.fixture(scope="module")
-def ppo_straight(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
+def ppo_straight(tmp_path_factory, tiny_llama, rl_data):
     out = str(tmp_path_factory.mktemp("ppo"))
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=3, data__val_files="null", **PPO))
     return out
 
 
 @pytest.mark.slow
-def test_ppo_with_kl_hybrid_sharded_trains_as_sharded_over_every_rank(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_ppo_with_kl_hybrid_sharded_trains_as_sharded_over_every_rank(tmp_path, tiny_llama, rl_data):
     """The actor, its reference and the critic each hybrid-sharded by its own fsdp_size (verl's: 4 processes as 2
     replicas of 2 shards; then the reference alone) against sharded over all 4: the same rollouts, losses, values
     and gradient norms, step by step, to 1e-6."""
@@ -100,7 +100,7 @@ def check_same_steps(hybrid: list[dict], full: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_offload_between_phases_trains_exactly_as_without(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_offload_between_phases_trains_exactly_as_without(tmp_path, tiny_llama, rl_data):
     """verl's param_offload / optimizer_offload on the actor, its reference (KL loss) and the critic: on a CPU
     device nothing moves (the next test parks on CPU what would move); the metrics are those of the run without them, bit for
     bit. (On a GPU, tests/test_cuda.py shows the device memory released.)"""
@@ -144,7 +144,7 @@ def test_a_ppo_run_warms_the_critic_up_reports_it_and_checkpoints_it(ppo_straigh
 
 
 @pytest.mark.slow
-def test_a_ppo_run_resumes_exactly(tmp_path, tiny_llama, rl_data, ppo_straight):  # noqa: F811
+def test_a_ppo_run_resumes_exactly(tmp_path, tiny_llama, rl_data, ppo_straight):
     """Two steps, then the third resumed from the second's checkpoint (the critic, its optimizer and schedule):
     the third step's numbers are the uninterrupted run's."""
     out = str(tmp_path)
@@ -159,7 +159,7 @@ def test_a_ppo_run_resumes_exactly(tmp_path, tiny_llama, rl_data, ppo_straight):
 
 
 @pytest.mark.slow
-def test_a_grpo_checkpoint_is_not_resumed_as_ppo(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_a_grpo_checkpoint_is_not_resumed_as_ppo(tmp_path, tiny_llama, rl_data):
     out = str(tmp_path)
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, trainer__save_freq=1,
                                                     data__val_files="null"))
@@ -168,7 +168,7 @@ def test_a_grpo_checkpoint_is_not_resumed_as_ppo(tmp_path, tiny_llama, rl_data):
 
 
 @pytest.mark.slow
-def test_the_preferred_token_rises_under_ppo(tmp_path, tokenizer, tiny_llama, rl_data):  # noqa: F811
+def test_the_preferred_token_rises_under_ppo(tmp_path, tokenizer, tiny_llama, rl_data):
     """One response per prompt, advantages from the critic alone: on a tiny Llama whose large initial weights
     make its samples peaked, rewarded for the share of 'e' in what it writes, the mean score of the last three of
     ten steps is above that of the first three (two of them the critic's warm-up). The critic is another model
@@ -225,7 +225,7 @@ def test_ppo_settings_that_cannot_work_are_named():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
-def test_verls_ppo_example_trains_two_steps(tmp_path, tokenizer, rl_data):  # noqa: F811
+def test_verls_ppo_example_trains_two_steps(tmp_path, tokenizer, rl_data):
     """verl's DeepSeek-7B PPO example as written (vLLM rollouts, a packed actor beside a padded critic, gradient
     checkpointing) on 2 CPU processes, with the launcher, model, paths and sizes changed."""
     model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,

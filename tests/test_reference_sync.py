@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import grpo_config_problems, read_metrics, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 ALPHA = 0.6
 SYNC = dict(actor_rollout_ref__actor__use_kl_loss="true", actor_rollout_ref__actor__kl_loss_coef=0.5,
@@ -28,7 +28,7 @@ def weights(step_dir: str, folder: str, tmp_dir: str) -> dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def synced(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
+def synced(tmp_path_factory, tiny_llama, rl_data):
     out = str(tmp_path_factory.mktemp("sync"))
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=4, **SYNC))
     return out
@@ -50,7 +50,7 @@ def test_the_reference_is_mixed_with_the_policy_every_n_steps(tmp_path, tiny_lla
 
 
 @pytest.mark.slow
-def test_a_resumed_run_moves_the_reference_as_the_uninterrupted_one(tmp_path, tiny_llama, rl_data, synced):  # noqa: F811
+def test_a_resumed_run_moves_the_reference_as_the_uninterrupted_one(tmp_path, tiny_llama, rl_data, synced):
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=3, **SYNC))
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=4, **SYNC))

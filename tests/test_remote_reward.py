@@ -28,7 +28,7 @@ from fsdptrain.rl.rewards import load_reward_function
 from fsdptrain.rl.rollout.base import Generation, group_ids
 
 from conftest import REPO, free_port, read_metrics, torchrun, wait_until_serving
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 STALL_S, TIMEOUT_S = 3.0, 0.5
 
@@ -112,7 +112,7 @@ def test_answers_slow_answers_and_recoveries_give_the_servers_rewards(fault_serv
 
 
 @pytest.fixture
-def reward_server(rl_data):  # noqa: F811
+def reward_server(rl_data):
     """fsdptrain's reward server for rl_data's reward function, in its own process, stopped after the test."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tests.checks.reward_server_check", str(rl_data / "reward.py"), str(port)], cwd=REPO,
@@ -124,7 +124,7 @@ def reward_server(rl_data):  # noqa: F811
     process.wait(timeout=10)
 
 
-def test_the_reward_server_answers_its_functions_scores_to_concurrent_clients(reward_server, rl_data):  # noqa: F811
+def test_the_reward_server_answers_its_functions_scores_to_concurrent_clients(reward_server, rl_data):
     fn = load_reward_function(str(rl_data / "reward.py"), None)
     payloads = [{"query": [f"P{i}: " + "e" * i + "x" * (9 - i), f"P{i}: abc"], "prompts": [f"P{i}: ", f"P{i}: "], "labels": ["1", "2"]}
                 for i in range(8)]
@@ -138,7 +138,7 @@ def test_the_reward_server_answers_its_functions_scores_to_concurrent_clients(re
 
 
 @pytest.mark.slow
-def test_validation_is_scored_by_the_server_as_training_is(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_validation_is_scored_by_the_server_as_training_is(tmp_path, tiny_llama, rl_data):
     """A run scored by a remote server alone (no reward function) validates with the server's scores: a server that
     gives 0.5 to every text gives a validation reward of 0.5 (it was 0 when validation used the reward function)."""
     (tmp_path / "half.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
@@ -160,7 +160,7 @@ def test_validation_is_scored_by_the_server_as_training_is(tmp_path, tiny_llama,
 
 
 @pytest.mark.slow
-def test_a_run_fails_when_its_server_dies_and_its_resume_equals_an_undisturbed_run(tmp_path, tiny_llama, rl_data, reward_server):  # noqa: F811
+def test_a_run_fails_when_its_server_dies_and_its_resume_equals_an_undisturbed_run(tmp_path, tiny_llama, rl_data, reward_server):
     remote = dict(custom_reward_function__path="null", reward_model__remote__retries=1, reward_model__remote__backoff_s=0.05,
                   reward_model__remote__timeout_s=10, reward_model__remote__batch_size=4, trainer__total_training_steps=3, trainer__save_freq=1,
                   trainer__test_freq=-1, trainer__rollout_data_dir="ROLLOUTS")

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from conftest import REPO, free_port, read_metrics, torchrun, wait_until_serving
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def rollouts(out: str, step: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("packed, fsdp_size", [("true", -1), ("false", -1), ("true", 1)], ids=["packed", "padded", "packed-hybrid"])
-def test_the_reward_models_scores_are_a_plain_forward_of_the_same_tokens(tmp_path, tokenizer, tiny_llama, rl_data, packed, fsdp_size):  # noqa: F811
+def test_the_reward_models_scores_are_a_plain_forward_of_the_same_tokens(tmp_path, tokenizer, tiny_llama, rl_data, packed, fsdp_size):
     """Scores of the reward model sharded over both ranks, or hybrid-sharded by its own fsdp_size (2 replicas of one
     shard), against a plain transformers forward."""
     reward_model = save_reward_model(tmp_path / "rm", tokenizer)
@@ -61,7 +61,7 @@ def test_the_reward_models_scores_are_a_plain_forward_of_the_same_tokens(tmp_pat
     assert read_metrics(out)[1]["critic/rewards/reward_model/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
 
 
-def test_another_tokenizer_is_fed_its_own_template_and_weighted_beside_the_verifiers(tmp_path, tokenizer, tiny_llama, rl_data):  # noqa: F811
+def test_another_tokenizer_is_fed_its_own_template_and_weighted_beside_the_verifiers(tmp_path, tokenizer, tiny_llama, rl_data):
     template = "{% for m in messages %}<{{ m['role'] }}>: {{ m['content'] }}\n{% endfor %}"
     reward_model = save_reward_model(tmp_path / "rm", tokenizer, chat_template=template)
     out = str(tmp_path / "run")

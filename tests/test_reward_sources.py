@@ -17,7 +17,7 @@ from fsdptrain.rl.reward_shaping import RunningMoments
 from fsdptrain.rl.rewards import VERIFIERS, RewardError, RewardSource, strict_format_score, weighted_sources
 
 from conftest import grpo_config_problems, read_metrics, torchrun
-from test_grpo import REWARD, grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 
 def test_strict_format_wants_the_answer_last():
@@ -82,7 +82,7 @@ CLIP, ADVANTAGE_CLIP = 1.0, 0.8
 
 
 @pytest.fixture(scope="module")
-def shaped(tmp_path_factory, tiny_llama, rl_data):  # noqa: F811
+def shaped(tmp_path_factory, tiny_llama, rl_data):
     out = str(tmp_path_factory.mktemp("shaped"))
     sources = f"[{{name: acc, function: gsm8k}}, {{name: e, path: {rl_data / 'reward.py'}, function: compute_score, weight: 2.0}}]"
     args = grpo_args(tiny_llama, rl_data, out, custom_reward_function__path="null", reward__sources=sources, trainer__rollout_data_dir=f"{out}/rollouts",
@@ -137,7 +137,7 @@ def test_the_running_moments_survive_a_resume(tmp_path, shaped):
 
 
 @pytest.mark.slow
-def test_scoring_in_the_background_gives_the_same_run(tmp_path, tiny_llama, rl_data):  # noqa: F811
+def test_scoring_in_the_background_gives_the_same_run(tmp_path, tiny_llama, rl_data):
     """reward_model.launch_reward_fn_async: the reward function runs in a worker thread while the old and reference
     log-probs are computed; every logged number is the in-line run's."""
     runs = {}

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, torchrun_cmd
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def worker_lines(lines: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("launcher", ["torchrun", "own workers"])
 @pytest.mark.parametrize("case", ["three mistakes", "wrong type", "missing file", "nan reward"])
-def test_a_users_mistake_is_printed_once_without_a_traceback(tmp_path, tiny_llama, rl_data, case, launcher):  # noqa: F811
+def test_a_users_mistake_is_printed_once_without_a_traceback(tmp_path, tiny_llama, rl_data, case, launcher):
     (tmp_path / "nan.py").write_text(NAN_REWARD)
     module, args, problems = "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, str(tmp_path / "run")), []
     if case == "three mistakes":

@@ -18,7 +18,6 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_module
 from launch_arguments import launch_arguments
-from test_agent import tool_model  # noqa: F401  (a fixture)
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.sft import load_sft_config
@@ -27,7 +26,6 @@ from fsdptrain.errors import ConfigError
 from fsdptrain.rl.agent.tools import load_tools
 
 from conftest import REPO, save_tiny_model, torchrun
-from test_grpo import rl_data  # noqa: F401  (a fixture)
 
 EXAMPLES = Path(__file__).parent / "verl_examples"
 EXAMPLE = EXAMPLES / "run_qwen3-1.7b.sh"
@@ -265,7 +263,7 @@ def test_the_docs_table_lists_every_key():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
-def test_verls_example_trains_two_steps(tmp_path, tokenizer, rl_data):  # noqa: F811
+def test_verls_example_trains_two_steps(tmp_path, tokenizer, rl_data):
     """The example as written (vLLM rollouts, KL loss, the reference offloaded, gradient checkpointing, liger and
     fused-kernel keys) on 2 CPU processes, with the launcher, paths and sizes changed."""
     model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
@@ -357,7 +355,7 @@ def test_the_ported_gsm8k_tool_behaves_as_verls():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM (for SGLang), which is not installed")
-def test_verls_multi_turn_example_trains_a_step(tmp_path, tool_model):  # noqa: F811
+def test_verls_multi_turn_example_trains_a_step(tmp_path, tool_model):
     """The multi-turn example as written (its SGLang engine as vLLM's, split over both ranks, tensor_model_parallel_size=2;
     the KL loss; the tool YAML) on 2 CPU processes with a tiny model that calls a tool the YAML does not have: each
     call answered with the error, counted; validation through the same loop."""
@@ -397,7 +395,7 @@ def console_steps(stdout: str) -> list[tuple[str, str]]:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the examples roll out with vLLM, which is not installed")
 @pytest.mark.parametrize("script", ["grpo_trainer/run_qwen3_8b_fsdp.sh", "ppo_trainer/run_qwen3_8b_fsdp.sh",
                                     "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh"], ids=["grpo", "ppo", "reward-model"])
-def test_verl_09s_examples_train_two_steps(tmp_path, tokenizer, rl_data, script):  # noqa: F811
+def test_verl_09s_examples_train_two_steps(tmp_path, tokenizer, rl_data, script):
     """verl 0.9.0's GRPO (KL loss, the reference offloaded between its forwards), PPO (a critic in verl 0.9's
     critic.fsdp section) and reward-model (verl 0.9's reward.reward_model section) examples as bash computes them,
     vLLM rollouts, on 2 CPU processes with the launcher, paths and sizes changed: two steps each."""

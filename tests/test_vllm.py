@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO, read_metrics, save_tiny_model, torchrun
-from test_grpo import grpo_args, rl_data  # noqa: F401  (a fixture)
+from test_grpo import grpo_args
 
 pytest.importorskip("vllm")
 
@@ -28,7 +28,7 @@ def test_the_engine_samples_from_the_weights_it_was_sent(vllm_model):
     torchrun(2, "tests.checks.vllm_check", [vllm_model])
 
 
-def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_model, rl_data):  # noqa: F811
+def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_model, rl_data):
     """Two steps on two ranks that share one engine split over them (tensor_model_parallel_size=2) with a large
     learning rate and ReMax's advantages (one more, greedy, rollout a prompt on the engine): the second step's
     rollouts come from the updated weights (the engine's log-probs are the

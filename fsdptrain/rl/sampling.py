@@ -13,7 +13,7 @@ import torch
 from fsdptrain.data.batching import epoch_batches
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import all_reduce_sum, gather_lists
-from fsdptrain.errors import ConfigError
+from fsdptrain.errors import ConfigError, UserError
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import Scorer
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine, group_ids
@@ -202,7 +202,7 @@ class GroupSampler:
         rounds = total = 0
         while total < self.batch_size:
             if 0 < self.max_gen_batches <= rounds:  # non-positive: no limit, as verl
-                raise RuntimeError(f"algorithm.filter_groups: {int(total)} groups with varying {self.filter_metric} after max_num_gen_batches="
+                raise UserError(f"algorithm.filter_groups: {int(total)} groups with varying {self.filter_metric} after max_num_gen_batches="
                                    f"{rounds} batches, fewer than data.train_batch_size={self.batch_size}; raise max_num_gen_batches, or "
                                    "use prompts that the policy sometimes solves")
             rounds += 1
