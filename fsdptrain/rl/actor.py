@@ -131,6 +131,16 @@ def mini_batch_aggregation(mini: list[Sample], agg_mode: str, loss_scale_factor:
                    max_response_length=max_response_length, loss_scale_factor=loss_scale_factor)
 
 
+def policy_aggregation(mini: list[Sample], loss_settings: LossSettings, parallel: Parallel,
+                       aggregate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The policy loss's aggregation: `aggregate`, the other terms', or over every row of the mini-batch for a loss
+    that counts them all (GMPO, core_algos.loss_rows)."""
+    if not core_algos.POLICY_LOSSES.info[loss_settings.loss_mode].get("every_row"):
+        return aggregate
+    return mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor, loss_settings.max_response_length, parallel,
+                                  loss_settings.loss_mode)
+
+
 def samples_to_train(mini: list[Sample], skip_zero_advantage: bool, share_prompts: bool, parallel: Parallel) -> tuple[list[Sample], Dealt | None]:
     """The samples this rank forwards: the whole mini-batch, or with `skip_zero_advantage` those with an advantage,
     dealt out again over the data-parallel ranks (each rank kept the groups chance gave it); and the deal, None
@@ -152,10 +162,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
     metrics and its token count."""
     aggregate = mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor, loss_settings.max_response_length,
                                        parallel)
-    policy_aggregate = aggregate
-    if core_algos.POLICY_LOSSES.info[loss_settings.loss_mode].get("every_row"):
-        policy_aggregate = mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor,
-                                                  loss_settings.max_response_length, parallel, loss_settings.loss_mode)
+    policy_aggregate = policy_aggregation(mini, loss_settings, parallel, aggregate)
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
     if loss_settings.sft_coef:
         # the SFT term is a token mean over the correct responses' tokens; its metric, that mean, is summed here
