@@ -57,7 +57,7 @@ def run_fsdptrain(system: str, args) -> dict:
            f"actor_rollout_ref.rollout.n={args.responses}", f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.responses}",
            f"actor_rollout_ref.rollout.name={system.split('-')[1]}", f"actor_rollout_ref.rollout.gpu_memory_utilization={args.vllm_memory}",
            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.resume_mode=disable", "trainer.logger=[file]",
-           f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out}/rollouts", "trainer.save_freq=-1",  # -1: the last step alone
+           f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out}/rollouts", f"trainer.save_freq={args.steps}",  # the last step alone
            f"trainer.checkpoint.save_contents={'[model,optimizer]' if args.checkpoint_size else '[]'}",
            f"custom_reward_function.path={args.reward or 'null'}", *args.fsdptrain_overrides]
     if system.endswith("-lora"):

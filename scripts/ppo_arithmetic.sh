@@ -32,7 +32,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((PPO_PROMPTS / NPROC)) \
     critic.optim.lr="$CRITIC_LR" critic.model.enable_gradient_checkpointing=false critic.ppo_micro_batch_size_per_gpu=64 \
     critic.model.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
-    trainer.cpu_speedups.keep_freed_host_memory=false trainer.critic_warmup="$CRITIC_WARMUP" trainer.total_training_steps="$PPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
+    trainer.cpu_speedups.keep_freed_host_memory=false trainer.critic_warmup="$CRITIC_WARMUP" trainer.total_training_steps="$PPO_STEPS" trainer.save_freq="$PPO_STEPS" trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/ppo" trainer.checkpoint.save_contents='[hf_model]' \
     ${PPO_ARGS:-}
 

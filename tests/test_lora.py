@@ -30,8 +30,8 @@ SEED, LR, KL_COEF, CLIP = 1, 1e-2, 0.1, 1.0  # trainer.seed initializes the adap
 RECIPE = Path(__file__).parent / "verl_examples" / "run_qwen2_5-3b_gsm8k_grpo_lora.sh"
 
 
-def test_adapters_train_alone_switch_off_to_the_base_model_and_merge_into_what_peft_computes(tiny_llama):
-    result = torchrun(2, "tests.checks.lora_check", [tiny_llama])
+def test_adapters_train_alone_switch_off_to_the_base_model_and_merge_into_what_peft_computes(ids_llama):
+    result = torchrun(2, "tests.checks.lora_check", [ids_llama])
     assert result.stdout.count("ok") == 2
 
 

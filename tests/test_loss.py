@@ -186,6 +186,6 @@ def test_model_log_probs_and_gradients_match_full_logits(tiny_qwen2, tied):
     torch.testing.assert_close(full_path.detach(), expected.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_log_probs_under_sequence_parallelism_equal_the_whole_row(tiny_llama):
-    result = torchrun(2, "tests.checks.logprob_sp_check", [tiny_llama])
+def test_log_probs_under_sequence_parallelism_equal_the_whole_row(ids_llama):
+    result = torchrun(2, "tests.checks.logprob_sp_check", [ids_llama])
     assert result.stdout.count("ok") == 2

@@ -120,14 +120,16 @@ def test_a_stuck_rank_fails_the_run_within_the_timeout_naming_the_step(tmp_path,
             rank.wait()
 
 
-def restarted_run(tmp_path, module: str, args: list[str], kill_at: str) -> str:
-    """`module` under torchrun --max-restarts=1 with the last rank killed at `kill_at` (POINT@STEP) in the first
-    attempt; returns the run's directory once it has finished."""
+def restarted_run(tmp_path, module: str, args: list[str], kills: list[str]) -> str:
+    """`module` under torchrun with the last rank killed at kills[k] (POINT@STEP) in attempt k, and as many
+    restarts; returns the run's directory once it has finished. Each attempt resumes from the last complete
+    checkpoint, so that a kill is reached again after the ones before it when its step is past that checkpoint."""
     out = str(tmp_path / "restarted")
     log = str(tmp_path / "restarted.log")
-    process = launch(2, module, [*args, f"trainer.default_local_dir={out}"], log, ["--max-restarts=1"], {**RESTARTABLE, "FSDPTRAIN_KILL_AT": kill_at})
+    process = launch(2, module, [*args, f"trainer.default_local_dir={out}"], log, [f"--max-restarts={len(kills)}"],
+                     {**RESTARTABLE, "FSDPTRAIN_KILL_AT": ",".join(kills)})
     assert process.wait(timeout=600) == 0, open(log).read()[-5000:]
-    assert "exitcode: -9" in open(log).read(), "no worker was killed"  # torchrun's own account of the lost worker
+    assert open(log).read().count("exitcode: -9") == len(kills), open(log).read()[-5000:]  # torchrun's own account of each lost worker
     return out
 
 
@@ -151,10 +153,10 @@ def sft_straight(tmp_path_factory, tiny_llama, chat_data):
     return out
 
 
-@pytest.mark.parametrize("kill_at", ["update@3", "save@2"], ids=["mid-step", "mid-save"])
-def test_sft_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, tiny_llama, chat_data, sft_straight, kill_at):
+def test_sft_restarts_after_lost_workers_and_trains_the_same(tmp_path, tiny_llama, chat_data, sft_straight):
+    """Killed mid-save, then (resumed from the step before) mid-step."""
     args = [a for a in sft_args(tiny_llama, chat_data, "unused", **SFT_RUN) if not a.startswith("trainer.default_local_dir=")]
-    assert_same_steps(restarted_run(tmp_path, "fsdptrain.sft_trainer", args, kill_at), sft_straight)
+    assert_same_steps(restarted_run(tmp_path, "fsdptrain.sft_trainer", args, ["save@2", "update@3"]), sft_straight)
 
 
 GRPO_RUN = dict(trainer__total_training_steps=3, trainer__save_freq=1, actor_rollout_ref__actor__ppo_mini_batch_size=2,
@@ -173,10 +175,10 @@ def grpo_straight(tmp_path_factory, tiny_llama, rl_data):
     return out
 
 
-@pytest.mark.parametrize("kill_at", ["gen@2", "update_weights@2", "update_actor@3", "save@2"],
-                         ids=["mid-rollout", "mid-weight-sync", "mid-step", "mid-save"])
-def test_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, tiny_llama, rl_data, grpo_straight, kill_at):
-    assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(tiny_llama, rl_data), kill_at), grpo_straight)
+def test_grpo_restarts_after_lost_workers_and_trains_the_same(tmp_path, tiny_llama, rl_data, grpo_straight):
+    """Killed mid-rollout, mid-weight-sync and mid-save of step 2, and mid-step 3, one after the other."""
+    kills = ["gen@2", "update_weights@2", "save@2", "update_actor@3"]
+    assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(tiny_llama, rl_data), kills), grpo_straight)
 
 
 VLLM = dict(actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
@@ -199,6 +201,7 @@ def vllm_straight(tmp_path_factory, vllm_llama, rl_data):
 
 
 @needs_vllm
-@pytest.mark.parametrize("kill_at", ["gen@2", "update_weights@2"], ids=["mid-rollout", "mid-weight-sync"])
-def test_vllm_grpo_restarts_after_a_lost_worker_and_trains_the_same(tmp_path, vllm_llama, rl_data, vllm_straight, kill_at):
-    assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(vllm_llama, rl_data, **VLLM), kill_at), vllm_straight)
+def test_vllm_grpo_restarts_after_lost_workers_and_trains_the_same(tmp_path, vllm_llama, rl_data, vllm_straight):
+    """Killed inside vLLM's engine mid-rollout, then (resumed) inside its weight sync."""
+    kills = ["gen@2", "update_weights@2"]
+    assert_same_steps(restarted_run(tmp_path, "fsdptrain.grpo_trainer", grpo_run_args(vllm_llama, rl_data, **VLLM), kills), vllm_straight)

@@ -16,26 +16,24 @@ torch.optim.AdamW.step = lambda self, closure=None: None  # the optimizer step d
 """
 
 
-def smoke(script: str, tmp_path, broken: bool = False) -> subprocess.CompletedProcess:
-    """A smoke script on its defaults (a tiny model and tokenizer made on the spot); `broken`: with every process's
-    optimizer step made a no-op (a sitecustomize module on PYTHONPATH)."""
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
+def smoke(script: str, out, broken: bool = False, model: str | None = None) -> subprocess.CompletedProcess:
+    """A smoke script on its defaults (a tiny model and tokenizer made on the spot, or `model`); `broken`: with
+    every process's optimizer step made a no-op (a sitecustomize module on PYTHONPATH)."""
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1", **({"MODEL": model} if model else {})}
     if broken:
-        (tmp_path / "sitecustomize.py").write_text(BROKEN_STEP)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+        (out / "sitecustomize.py").write_text(BROKEN_STEP)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(out), os.environ.get("PYTHONPATH")]))
     return subprocess.run(["bash", f"scripts/{script}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("script", ["smoke_sft.sh", "smoke_grpo.sh"])
-def test_smoke_passes_on_its_defaults(tmp_path, script):
-    result = smoke(script, tmp_path)
+@pytest.mark.parametrize("script, check", [("smoke_sft.sh", "loss falls"), ("smoke_grpo.sh", "score rises")])
+def test_smoke_passes_on_its_defaults_and_fails_on_a_trainer_that_does_not_learn(tmp_path, script, check):
+    result = smoke(script, tmp_path / "healthy")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "SMOKE OK" in result.stdout
-
-
-@pytest.mark.parametrize("script, check", [("smoke_sft.sh", "loss falls"), ("smoke_grpo.sh", "score rises")])
-def test_smoke_fails_on_a_trainer_that_does_not_learn(tmp_path, script, check):
-    result = smoke(script, tmp_path, broken=True)
+    # the broken trainer on the tiny model the healthy run made
+    result = smoke(script, tmp_path / "broken", broken=True, model=str(tmp_path / "healthy" / "tiny_model"))
     assert result.returncode != 0
     assert f"SMOKE FAILED: {check}: " in result.stderr, result.stderr[-3000:]
 

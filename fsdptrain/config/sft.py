@@ -86,6 +86,7 @@ class SFTOptimConfig(OptimConfig):
 class SFTTrainerConfig(TrainerConfig):
     nccl_timeout: int
     auto_resumes_from_path: ClassVar[bool] = True  # verl's SFT trainers: resume_mode=auto with resume_from_path resumes from it
+    last_step_when_off: ClassVar[bool] = True  # verl's SFT trainer validates and saves at the last step whatever test_freq/save_freq say
 
 
 @dataclass

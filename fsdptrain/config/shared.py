@@ -161,6 +161,7 @@ class CpuSpeedupsConfig:
 @dataclass
 class TrainerConfig:
     auto_resumes_from_path: ClassVar[bool] = False  # verl's PPO trainer: resume_mode=auto resumes default_local_dir's latest, whatever resume_from_path says
+    last_step_when_off: ClassVar[bool] = False  # verl's PPO trainer: test_freq/save_freq <= 0 never validate or save, not even at the last step
     default_local_dir: str
     project_name: str
     experiment_name: str
@@ -188,9 +189,6 @@ def validate_trainer(trainer: TrainerConfig) -> None:
     positive("trainer.total_epochs", trainer.total_epochs)
     positive("trainer.total_training_steps", trainer.total_training_steps, allow_none=True)
     positive("trainer.max_ckpt_to_keep", trainer.max_ckpt_to_keep, allow_none=True)
-    for key, value in (("trainer.test_freq", trainer.test_freq), ("trainer.save_freq", trainer.save_freq)):
-        if value == 0 or value < -1:
-            raise ConfigError(f"{key} must be -1 (never) or > 0, got {value!r}")
     one_of("trainer.resume_mode", trainer.resume_mode, ("auto", "disable", "resume_path"))
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path is required when trainer.resume_mode=resume_path")

@@ -47,13 +47,15 @@ def die_with_launcher(poll_seconds: float = 1.0) -> None:
 def fault_point(point: str, step: int) -> None:
     """A worker's deliberate death, with which the restart tests show that a run survives a lost worker at any
     point of a step: FSDPTRAIN_KILL_AT=POINT@STEP[:RANK] SIGKILLs rank RANK (default the last) when it reaches
-    `point` at `step`, in torchrun's first attempt only, so that the restarted workers pass. The points: each timed
-    phase of a step as it starts (trainer/setup.py's StepTimer: gen, update_actor, update_weights, ...; SFT's
-    update) and `save` (a checkpoint's shards written, not yet published)."""
-    spec = os.environ.get("FSDPTRAIN_KILL_AT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    `point` at `step`, in torchrun's first attempt only, so that the restarted workers pass; a comma-separated list
+    kills once in each attempt, its k-th entry in attempt k. The points: each timed phase of a step as it starts
+    (trainer/setup.py's StepTimer: gen, update_actor, update_weights, ...; SFT's update) and `save` (a checkpoint's
+    shards written, not yet published)."""
+    specs = os.environ.get("FSDPTRAIN_KILL_AT", "").split(",")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(specs) or not specs[attempt]:
         return
-    where, _, rank = spec.partition(":")
+    where, _, rank = specs[attempt].partition(":")
     name, _, at = where.partition("@")
     target = int(rank) if rank else int(os.environ.get("WORLD_SIZE", "1")) - 1
     if name == point and int(at) == step and int(os.environ.get("RANK", "0")) == target:

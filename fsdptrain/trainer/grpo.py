@@ -209,13 +209,12 @@ class GRPOInputs:
     plan: GRPOPlan
     tokenizer: PreTrainedTokenizerBase
     hf_config: PretrainedConfig
-    tools: dict[str, BaseTool]
-    interactions: dict[str, BaseInteraction]
     reward_fn: RewardFn
     train: list[Prompt]
     val: list[Prompt]
     total_steps: int
     added: AddedTokens | None  # actor_rollout_ref.model.added_tokens_file's
+    loops: dict[str, Loop]  # the agent loops the rows name, built (and so checked) before the engine they are given exists
 
 
 def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
@@ -239,7 +238,8 @@ def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
     train, val = (load_rl_prompts(config, plan, files, tokenizer, key, tools, interactions)
                   for files, key in ((config.data.train_files, "data.train_files"), (config.data.val_files, "data.val_files")))
     total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "prompts")
-    return GRPOInputs(plan, tokenizer, hf_config, tools, interactions, reward_fn, train, val, total_steps, added)
+    loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, config.data.apply_chat_template_kwargs), [*train, *val])
+    return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, loops)
 
 
 def run_grpo(config: GRPOConfig) -> None:
@@ -271,9 +271,9 @@ def run_grpo(config: GRPOConfig) -> None:
                    added=inputs.added)
     scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(config, parallel, tokenizer))
     step_once = build_step(config, plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic)
-    engine = step_once.engine
-    context = LoopContext(engine, tokenizer, plan.multi_turn, inputs.tools, inputs.interactions, config.data.apply_chat_template_kwargs)
-    loops = build_loops(context, [*train, *val])
+    engine, loops = step_once.engine, inputs.loops
+    for loop in loops.values():
+        loop.engine = engine
     step_once.sampler.loops = loops
     step_once.sync_weights()  # the resumed weights, before the first rollout
     # Validation is scored as training is (the same sources, reward model and server), without the overlong penalty.
@@ -291,7 +291,7 @@ def run_grpo(config: GRPOConfig) -> None:
             timer = StepTimer(step)
             with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank):
                 result = step_once(timer)
-            if val and run.due(step, trainer.test_freq):
+            if val and run.due(step, trainer.test_freq, trainer.last_step_when_off):
                 with timer("testing"):
                     result.metrics.update(validate())
             metrics = record_step(step, result, timer, history, plan, trainer, run)
@@ -314,7 +314,7 @@ def record_step(step: int, result: StepResult, timer: StepTimer, history: list[d
         generations, ids = flatten(groups)
         dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], ids, scored, generations, result.response_advantages, parallel)
     history.append({"step": step, **metrics})
-    if run.due(step, trainer.plot_freq):
+    if run.due(step, trainer.plot_freq, last_when_off=True):
         lengths = [generation.generated_tokens for g in groups for generation in g.generations]
         plot(history, lengths, os.path.join(trainer.default_local_dir, "plots"), run.logger, parallel, step)
     return metrics

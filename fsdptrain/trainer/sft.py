@@ -135,10 +135,10 @@ def run_sft(config: SFTConfig) -> None:
                 "perf/tokens_per_sec": seen / elapsed,
                 "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
             }
-            if val and run.due(step, config.trainer.test_freq):
+            if val and run.due(step, config.trainer.test_freq, config.trainer.last_step_when_off):
                 metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
             run.end_step(step, metrics)
             history.append({"step": step, **metrics})
-            if parallel.is_main and run.due(step, config.trainer.plot_freq):
+            if parallel.is_main and run.due(step, config.trainer.plot_freq, last_when_off=True):
                 run.logger.log_images(write_plots(history, None, os.path.join(config.trainer.default_local_dir, "plots")), step)
     run.finish()

@@ -94,9 +94,10 @@ class Loop(Protocol):
 
 @dataclass(frozen=True)
 class LoopContext:
-    """What an agent loop is built from."""
+    """What an agent loop is built from. The engine may come later (None): a trainer builds its loops, and so
+    checks their settings, before its processes start the engine."""
 
-    engine: RolloutEngine
+    engine: RolloutEngine | None
     tokenizer: PreTrainedTokenizerBase
     settings: MultiTurnSettings | None  # actor_rollout_ref.rollout.multi_turn's; None where multi_turn.enable=false
     tools: dict[str, BaseTool]
