@@ -111,6 +111,20 @@ def test_values_of_the_wrong_type_are_reported_with_the_other_mistakes():
     ]
 
 
+def test_verl_09s_default_modes_are_this_trainer_and_its_asynchronous_ones_are_refused():
+    """verl 0.9 drives its engine as an AsyncLLM server and runs its v1 trainer in sync mode by default: both are
+    what this trainer does; the v1 trainer's asynchronous modes are not built and say so."""
+    defaults = ["actor_rollout_ref.rollout.mode=async", "trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]
+    assert translate(defaults, "grpo", 1) == ([], [])
+    states = {override: (state, meaning) for override, state, meaning, _ in key_states(defaults, "grpo")}
+    assert states["actor_rollout_ref.rollout.mode=async"][0] == "accepted"
+    assert "the engine generates inside the training processes" in states["actor_rollout_ref.rollout.mode=async"][1]
+    for mode in ("separate_async", "colocate_async"):
+        _, problems = translate(["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"], "grpo", 1)
+        assert problems == [f"trainer.v1.trainer_mode={mode}: asynchronous training (colocate_async, separate_async) is not built; each "
+                            "step generates, then trains (trainer_mode=sync)"]
+
+
 def test_keys_added_with_a_plus_are_checked_like_the_others():
     overrides, problems = translate(["+trainer.total_training_steps=2", "++data.shuffle=false", "+data.prompt_dict_keyz=[content]"], "sft", 1)
     assert overrides == ["trainer.total_training_steps=2", "data.shuffle=false"]
@@ -223,7 +237,7 @@ V09_EXAMPLES = EXAMPLES / "verl-0.9.0" / "examples"
 # The FSDP scripts of verl 0.9.0's examples that ask for something not built, and the keys that say so; every
 # other one loads with no problem at all. Vision-language ones load too, and stop at their model or data.
 V09_REFUSED = {
-    "run_qwen2-7b_math_megatron_fsdp.sh": {"actor_rollout_ref.rollout.mode", "actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron"},
+    "run_qwen2-7b_math_megatron_fsdp.sh": {"actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron"},
     "run_qwen3_next_80b_a3b_fsdp.sh": {"actor_rollout_ref.rollout.val_kwargs.top_p", "actor_rollout_ref.model.enable_activation_offload"},
     "run_minicpm_o_2_6_fsdp.sh": {"data.custom_cls"},
     "run_qwen_megatron_fsdp.sh": {"engine", "optim"},
