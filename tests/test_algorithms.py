@@ -5,6 +5,7 @@ formulas written out in numpy. (Each formula against verl's own code: test_verl_
 gradients whatever the layout: test_grpo.py.)"""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -70,6 +71,9 @@ def groups_of(rows: list[dict]) -> list[list[dict]]:
 def test_each_pair_trains_two_steps_with_its_metrics(runs, name):
     metrics = read_metrics(runs[name])
     assert [m["step"] for m in metrics] == [1, 2]
+    # trainer.test_freq=-1 and save_freq=-1 (the default): never, not even at the last step, as verl's PPO trainer
+    assert not [key for m in metrics for key in m if key.startswith("val")], name
+    assert not [entry for entry in os.listdir(runs[name]) if entry.startswith("global_step_")], name
     for m in metrics:
         for key in METRICS:
             assert np.isfinite(m[key]), (name, key)

@@ -43,18 +43,24 @@ def known_keys(trainer: str) -> tuple[set[str], set[str]]:
     return leaves, open_mappings
 
 
-def entry_of(key: str, table: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The table's entry for `key` or for the nearest key above it; at each level a key of the table itself comes
-    before a pattern, whose `*` stands for any one part (`*.profiler` for actor_rollout_ref.actor.profiler)."""
+def entry_name(key: str, table: dict[str, dict[str, Any]]) -> str | None:
+    """The table's name for `key`'s entry: `key` itself or the nearest key above it; at each level a key of the
+    table itself comes before a pattern, whose `*` stands for any one part (`*.profiler` for
+    actor_rollout_ref.actor.profiler)."""
     parts = key.split(".")
     patterns = [(name, name.split(".")) for name in table if "*" in name]
     for end in range(len(parts), 0, -1):
         if ".".join(parts[:end]) in table:
-            return table[".".join(parts[:end])]
+            return ".".join(parts[:end])
         for name, pattern in patterns:
             if len(pattern) == end and all(p in ("*", part) for p, part in zip(pattern, parts)):
-                return table[name]
+                return name
     return None
+
+
+def entry_of(key: str, table: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    name = entry_name(key, table)
+    return None if name is None else table[name]
 
 
 def hydra_value(text: str) -> Any:
@@ -118,6 +124,7 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
     closest known one, refused keys with what to use instead, a launch shape that is not the world's): the config's
     loading reports them with its own, all in one error."""
     kept, problems, shape, implied = [], [], {}, {}
+    refused: dict[str, list[tuple[str, str]]] = {}  # by reason: (the table's entry, key=value) of each refused override
     table = verl_table(trainer)
     for override, state, meaning, taken in key_states(overrides, trainer):
         key, _, value = override.partition("=")
@@ -134,9 +141,12 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
         elif state == "unknown":
             problems.append(f"{key}: {meaning}")
         elif state == "refused":
-            problems.append(f"{key}={value}: {meaning}")
+            refused.setdefault(meaning, []).append((entry_name(key, table), f"{key}={value}"))
         elif state == "launch shape":
             shape[key.rsplit(".", 1)[1]] = hydra_value(value)
+    for meaning, overrides in refused.items():  # a refused backend's dozen keys are one problem, not a dozen
+        names = sorted({name for name, _ in overrides})
+        problems.append(f"{overrides[0][1]}: {meaning}" if len(overrides) == 1 else f"{', '.join(names)} ({len(overrides)} keys): {meaning}")
     given = {taken.partition("=")[0].lstrip("+") for taken in kept}
     for target, (implication, because) in implied.items():
         if target not in given:  # an explicit value wins
