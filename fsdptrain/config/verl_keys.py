@@ -144,9 +144,11 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
             refused.setdefault(meaning, []).append((entry_name(key, table), f"{key}={value}"))
         elif state == "launch shape":
             shape[key.rsplit(".", 1)[1]] = hydra_value(value)
+    engines = []  # a command line for an engine that is not built: that alone is its problem
     for meaning, overrides in refused.items():  # a refused backend's dozen keys are one problem, not a dozen
         names = sorted({name for name, _ in overrides})
-        problems.append(f"{overrides[0][1]}: {meaning}" if len(overrides) == 1 else f"{', '.join(names)} ({len(overrides)} keys): {meaning}")
+        line = f"{overrides[0][1]}: {meaning}" if len(overrides) == 1 else f"{', '.join(names)} ({len(overrides)} keys): {meaning}"
+        (engines if any(table[name].get("engine") for name in names) else problems).append(line)
     given = {taken.partition("=")[0].lstrip("+") for taken in kept}
     for target, (implication, because) in implied.items():
         if target not in given:  # an explicit value wins
@@ -157,7 +159,9 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
         if not (isinstance(nodes, int) and isinstance(per_node, int)) or nodes * per_node != world_size:
             problems.append(f"trainer.nnodes ({nodes}) x trainer.n_gpus_per_node ({per_node}) must equal the number of processes "
                             f"torchrun started ({world_size}): launch with --nnodes={nodes} --nproc_per_node={per_node}, or fix the keys")
-    return kept, problems
+    if engines and problems:
+        engines.append(f"({len(problems)} other problem(s) of this command line left out: they follow from the engine it asks for)")
+    return kept, engines or problems
 
 
 def translate_argv(argv: list[str], trainer: str) -> tuple[list[str], list[str]]:

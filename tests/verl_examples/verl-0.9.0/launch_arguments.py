@@ -25,7 +25,7 @@ if "-m" in args and args[args.index("-m") + 1].startswith("verl.trainer."):
 def launch_arguments(script: Path, *positional: str, env: dict[str, str] | None = None) -> tuple[str, list[str]]:
     """(verl's trainer module, its key=value arguments) of the script's one launch."""
     with tempfile.TemporaryDirectory() as bin_dir:
-        for name in ("python3", "python", "torchrun"):
+        for name in ("python3", "python", "torchrun", "ray", "hf", "git"):
             path = Path(bin_dir) / name
             path.write_text(STAND_IN)
             path.chmod(path.stat().st_mode | stat.S_IXUSR)
