@@ -82,6 +82,39 @@ def straight(tmp_path_factory, tiny_llama, rl_data):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_reference_in_bf16_beside_an_fp32_actor_is_the_model_rounded_to_bf16(tmp_path, tiny_llama, rl_data, straight):
+    """actor_rollout_ref.ref.fsdp_config.model_dtype=bf16 (verl's LoRA examples set it): the reference holds the
+    pretrained weights rounded to bf16 and computes in the actor's fp32. Step 1's KL loss (the actor still the
+    pretrained model) is low_var_kl between a plain transformers model and its bf16-rounded copy over the dumped
+    responses, token-mean; with the reference in fp32 (`straight`) it is 0."""
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path)
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, data__val_files="null",
+                                                    actor_rollout_ref__actor__use_kl_loss="true", trainer__rollout_data_dir=f"{out}/rollouts",
+                                                    actor_rollout_ref__ref__fsdp_config__model_dtype="bf16"))
+    policy = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).to(torch.bfloat16)
+    for parameter in reference.parameters():  # FSDP2 gathers the bf16 shards into the compute dtype; buffers stay bf16
+        parameter.data = parameter.data.float()
+
+    def log_probs(model, row: dict) -> torch.Tensor:
+        ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        with torch.no_grad():
+            logits = model(ids[None]).logits[0, len(row["prompt_ids"]) - 1 : -1].float()
+        return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(row["response_ids"])[:, None]).squeeze(1)
+
+    total, tokens = 0.0, 0
+    for row in map(json.loads, open(f"{out}/rollouts/1.jsonl")):
+        reverse = log_probs(reference, row) - log_probs(policy, row)
+        total += float((torch.exp(reverse) - reverse - 1).clamp(-10, 10).sum())
+        tokens += len(row["response_ids"])
+    logged = read_metrics(out)[0]["actor/kl_loss"]
+    assert logged == pytest.approx(total / tokens, rel=1e-3) and logged > 1e-8  # a random tiny model's near-uniform log-probs: small
+    assert abs(read_metrics(straight)[0]["actor/kl_loss"]) < 1e-3 * logged
+
+
 def test_a_run_writes_every_metric_the_rollouts_and_a_checkpoint(straight):
     metrics = read_metrics(straight)
     assert [m["step"] for m in metrics] == [1, 2]

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from fsdptrain.config.base import check_all, one_of, positive, to_typed
 from fsdptrain.config.shared import (
+    DTYPE_NAMES,
     FSDPConfig,
     LanguageModelConfig,
     ModelConfig,
@@ -232,9 +233,12 @@ def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
 
 @dataclass
 class RefFSDPConfig:
+    """A frozen model's (the reference's, the reward model's) own FSDP settings; the rest are the actor's."""
+
     param_offload: bool
     cpu_offload: bool
     fsdp_size: int  # its own, as in verl (-1 by default, whatever the actor's)
+    model_dtype: str  # its weights' dtype, its own as in verl (fp32 by default); computed in the actor's param_dtype
 
 
 @dataclass
@@ -251,6 +255,7 @@ def validate_ref(ref: RefConfig) -> None:
     positive(f"{prefix}.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu)
     positive(f"{prefix}.ref_model_sync_steps", ref.ref_model_sync_steps)
     validate_fsdp_size(ref.fsdp_config.fsdp_size, f"{prefix}.fsdp_config.fsdp_size")
+    one_of(f"{prefix}.fsdp_config.model_dtype", ref.fsdp_config.model_dtype, DTYPE_NAMES)
     if not 0 < ref.ref_model_mixup_alpha <= 1:
         raise ConfigError(f"{prefix}.ref_model_mixup_alpha must be in (0, 1], got {ref.ref_model_mixup_alpha}")
 
@@ -461,6 +466,7 @@ def validate_reward_model(reward_model: RewardModelConfig, max_response_length: 
         if not reward_model.model.path:
             raise ConfigError("reward_model.enable=true needs reward_model.model.path: a sequence-classification model folder")
         validate_fsdp_size(reward_model.model.fsdp_config.fsdp_size, "reward_model.model.fsdp_config.fsdp_size")
+        one_of("reward_model.model.fsdp_config.model_dtype", reward_model.model.fsdp_config.model_dtype, DTYPE_NAMES)
         positive("reward_model.micro_batch_size_per_gpu", reward_model.micro_batch_size_per_gpu)
         if not math.isfinite(reward_model.weight):
             raise ConfigError(f"reward_model.weight must be a finite number, got {reward_model.weight}")

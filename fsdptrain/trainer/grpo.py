@@ -379,9 +379,9 @@ def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer) -> list[Bat
 
 
 def frozen_fsdp(config: GRPOConfig, own: RefFSDPConfig) -> FSDPConfig:
-    """A frozen model's FSDP settings (the reference's, the reward model's): the actor's dtypes and resharding, with
-    its own CPU offload and shard group size."""
-    return replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=own.cpu_offload, fsdp_size=own.fsdp_size)
+    """A frozen model's FSDP settings (the reference's, the reward model's): the actor's compute dtype and
+    resharding, with its own CPU offload, shard group size and weights' dtype."""
+    return replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=own.cpu_offload, fsdp_size=own.fsdp_size, model_dtype=own.model_dtype)
 
 
 def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer) -> RewardModel:
