@@ -125,6 +125,12 @@ def test_verl_09s_default_modes_are_this_trainer_and_its_asynchronous_ones_are_r
                             "step generates, then trains (trainer_mode=sync)"]
 
 
+def test_verl_mains_newer_spellings_are_the_same_keys():
+    """verl's main branch moved SAPO's temperatures under actor.policy_loss: scripts for the next verl load here."""
+    newer = ["actor_rollout_ref.actor.policy_loss.tau_pos=2.0", "actor_rollout_ref.actor.policy_loss.tau_neg=1.5"]
+    assert translate(newer, "grpo", 1) == (["actor_rollout_ref.actor.tau_pos=2.0", "actor_rollout_ref.actor.tau_neg=1.5"], [])
+
+
 def test_keys_added_with_a_plus_are_checked_like_the_others():
     overrides, problems = translate(["+trainer.total_training_steps=2", "++data.shuffle=false", "+data.prompt_dict_keyz=[content]"], "sft", 1)
     assert overrides == ["trainer.total_training_steps=2", "data.shuffle=false"]
