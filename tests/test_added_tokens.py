@@ -159,7 +159,7 @@ def test_grpo_from_the_sft_export_keeps_the_freeze(tmp_path, tiny_llama, catalog
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(export, rl_data, out, actor_rollout_ref__model__added_tokens_file=catalog["index"],
                                                     actor_rollout_ref__model__freeze_llm="true", actor_rollout_ref__actor__use_kl_loss="true",
                                                     actor_rollout_ref__actor__optim__weight_decay=0.1, data__val_files="null",
-                                                    trainer__checkpoint__save_contents="[hf_model]"))
+                                                    trainer__save_freq=2, trainer__checkpoint__save_contents="[hf_model]"))
     start, end = (load_file(os.path.join(path, "model.safetensors")) for path in (export, os.path.join(out, "global_step_2", "huggingface")))
     ids = AutoTokenizer.from_pretrained(export).convert_tokens_to_ids(tokens_of(catalog))
     frozen = torch.ones(start["model.embed_tokens.weight"].shape[0], dtype=torch.bool)

@@ -76,7 +76,7 @@ def straight(tmp_path_factory, tiny_llama, rl_data):
                                                     reward_model__overlong_buffer__enable="true", reward_model__overlong_buffer__len=4,
                                                     algorithm__use_kl_in_reward="true", algorithm__kl_ctrl__type="adaptive",
                                                     algorithm__kl_ctrl__horizon=10, algorithm__kl_ctrl__target_kl=1e-6,
-                                                    trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]",
+                                                    trainer__save_freq=2, trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]",
                                                     trainer__profile_step=2))
     return out
 
@@ -255,7 +255,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=1, data__val_files="null",
                                                         custom_reward_function__path=str(reward), actor_rollout_ref__actor__skip_zero_advantage=skip,
                                                         actor_rollout_ref__rollout__calculate_log_probs="true",
-                                                        trainer__checkpoint__save_contents="[hf_model]"))
+                                                        trainer__save_freq=1, trainer__checkpoint__save_contents="[hf_model]"))
         (metrics,) = read_metrics(out)
         runs[skip] = metrics, load_file(os.path.join(out, "global_step_1", "huggingface", "model.safetensors"))
     (every, weights), (skipped, skipped_weights) = runs["false"], runs["true"]

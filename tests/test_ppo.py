@@ -63,7 +63,8 @@ CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "
 @pytest.fixture(scope="module")
 def ppo_straight(tmp_path_factory, tiny_llama, rl_data):
     out = str(tmp_path_factory.mktemp("ppo"))
-    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=3, data__val_files="null", **PPO))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__total_training_steps=3, trainer__save_freq=3,
+                                                    data__val_files="null", **PPO))
     return out
 
 

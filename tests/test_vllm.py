@@ -40,7 +40,7 @@ def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_mod
                                                     actor_rollout_ref__rollout__tensor_model_parallel_size=2,
                                                     actor_rollout_ref__actor__optim__lr="1e-2",
                                                     algorithm__rollout_correction__rollout_is="token", algorithm__adv_estimator="remax",
-                                                    trainer__checkpoint__save_contents="[hf_model]"))
+                                                    trainer__save_freq=2, trainer__checkpoint__save_contents="[hf_model]"))
     assert "tensor_parallel_size=2" in result.stdout + result.stderr  # vLLM's own account of the engine it built
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
