@@ -200,7 +200,8 @@ out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_t
 strip = lambda ids: [i for i in ids if i != tokenizer.eos_token_id]
 print(json.dumps({{"hf": strip(hf[0, len(prompt):].tolist()), "vllm": strip(list(out[0].outputs[0].token_ids))}}))
 """
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in this process, as fsdptrain runs it: no second start-up
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     answer = json.loads(next(line for line in result.stdout.splitlines() if line.startswith('{"hf"')))
     assert answer["vllm"] == answer["hf"]
