@@ -29,6 +29,8 @@ def plain_state(entry: dict) -> tuple[str, str]:
         return "mapped", f"`{entry['mapped']}`"
     if "accepted" in entry:
         return "accepted", " ".join(str(entry["accepted"]).split())
+    if "group" in entry:
+        return f"config group: `{entry['group']}` taken, others refused", " ".join(str(entry["refused"]).split())
     if "refused" in entry:
         unless = entry.get("unless")
         off = ", ".join(f"`{as_yaml(v)}`" for v in (unless if isinstance(unless, list) else [unless]))

@@ -131,6 +131,30 @@ def test_verl_mains_newer_spellings_are_the_same_keys():
     assert translate(newer, "grpo", 1) == (["actor_rollout_ref.actor.tau_pos=2.0", "actor_rollout_ref.actor.tau_neg=1.5"], [])
 
 
+def test_a_key_added_to_an_open_mapping_reaches_the_config_through_hydra():
+    """verl's gpt-oss example adds `+data.apply_chat_template_kwargs.reasoning_effort=medium`: through Hydra's own
+    compose (struct mode, as the trainers run it) the template's arguments hold it, with or without verl's `+`."""
+    for given in ("+data.apply_chat_template_kwargs.reasoning_effort=medium", "data.apply_chat_template_kwargs.reasoning_effort=medium"):
+        overrides, problems = translate([given, "data.train_files=x.parquet", "actor_rollout_ref.model.path=m"], "grpo", 1)
+        assert problems == []
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            config = load_grpo_config(compose(config_name="grpo_trainer", overrides=overrides))
+        assert config.data.apply_chat_template_kwargs == {"reasoning_effort": "medium"}
+
+
+def test_verl_09s_sft_config_groups_select_what_fsdptrain_is():
+    """verl 0.9's SFT layout picks its config groups on the command line (`model=hf_model engine=fsdp optim=fsdp`):
+    through Hydra's compose they load as fsdptrain's own sections; another model group is refused by name."""
+    overrides, problems = translate(["model=hf_model", "engine=fsdp", "optim=fsdp", "data.train_files=x.parquet", "model.partial_pretrain=/m"], "sft", 1)
+    assert problems == []
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = load_sft_config(compose(config_name="sft_trainer", overrides=overrides))
+    assert config.model.partial_pretrain == "/m" and config.data.multiturn.enable
+    _, problems = translate(["model=qwen"], "sft", 1)
+    assert problems == ["model=qwen: verl's SFT model config group hf_model (a Hugging Face model folder) is fsdptrain's model section; no other "
+                        "group is built"]
+
+
 def test_keys_added_with_a_plus_are_checked_like_the_others():
     overrides, problems = translate(["+trainer.total_training_steps=2", "++data.shuffle=false", "+data.prompt_dict_keyz=[content]"], "sft", 1)
     assert overrides == ["trainer.total_training_steps=2", "data.shuffle=false"]

@@ -50,8 +50,9 @@ def entry_name(key: str, table: dict[str, dict[str, Any]]) -> str | None:
     parts = key.split(".")
     patterns = [(name, name.split(".")) for name in table if "*" in name]
     for end in range(len(parts), 0, -1):
-        if ".".join(parts[:end]) in table:
-            return ".".join(parts[:end])
+        name = ".".join(parts[:end])
+        if name in table and (end == len(parts) or "group" not in table[name]):
+            return name
         for name, pattern in patterns:
             if len(pattern) == end and all(p in ("*", part) for p, part in zip(pattern, parts)):
                 return name
@@ -95,9 +96,15 @@ def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[s
     renamed = renames.get(str(hydra_value(value)))
     if renamed is not None:
         return "value renamed", f"{key}={value} is {key}={renamed} here: {' '.join(str(entry['reason']).split())}", f"{key}={renamed}"
+    if entry is not None and "group" in entry:  # `model=hf_model`: verl's config group that this section is
+        if hydra_value(value) == entry["group"]:
+            return "accepted", f"changes nothing here: verl's config group {key}={entry['group']} is fsdptrain's {key} section", None
+        return "refused", " ".join(str(entry["refused"]).split()), None
     known_section = key not in table and any(leaf.startswith(key + ".") for leaf in leaves)  # `optim=fsdp` picks verl's config group
-    if key in leaves or known_section or any(key.startswith(m + ".") for m in open_mappings):
+    if key in leaves or known_section:
         return "key", "", f"{key}={value}"
+    if any(key.startswith(m + ".") for m in open_mappings):  # a new key of a mapping (verl's `+`): Hydra adds it, or sets it if present
+        return "key", "", f"++{key}={value}"
     if entry is None:
         close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
         return "unknown", f"not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""), None
