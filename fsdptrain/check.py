@@ -47,7 +47,8 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
 
     config = read_grpo_config(composed("grpo_trainer", overrides), problems, world)
     inputs = read_grpo_inputs(config, world)
-    plan, data, actor, n = inputs.plan, config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
+    plan, data, actor = inputs.plan, config.data, config.actor_rollout_ref.actor
+    n = plan.request.n
     dp = world.world_size // plan.sp_size
     return [
         processes(world, plan.sp_size),
@@ -58,7 +59,7 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
         f"the update: {micro_batches(plan.update_batching)}; old log-probs: {micro_batches(plan.log_prob_batching)}",
         f"a sequence: at most {plan.sequence_length} tokens ({data.max_prompt_length} prompt + {data.max_response_length} response); "
         f"a step at most {data.train_batch_size * n * plan.sequence_length} tokens",
-        f"estimator {config.algorithm.adv_estimator}, loss {plan.loss.loss_mode} ({plan.loss.policy_agg_mode}), rollout engine "
+        f"estimator {plan.advantage.estimator}, loss {plan.loss.loss_mode} ({plan.loss.policy_agg_mode}), rollout engine "
         f"{plan.engine_name}{', a critic' if plan.critic else ''}{', a reference model' if plan.needs_reference else ''}",
     ]
 
