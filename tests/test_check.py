@@ -1,6 +1,6 @@
 """`python -m fsdptrain.check`: whether a run would start, read as the trainer reads it, for a launch shape this
 machine does not have (8 GPUs), without torchrun: the sizes it prints, every problem at once, the data and model
-checked, the agent loops built, verl's keys named with their state."""
+checked, the agent loops built, the critic and reward model read, verl's keys named with their state."""
 
 import subprocess
 import sys
@@ -79,3 +79,12 @@ def test_an_agent_loop_that_cannot_be_built_is_named_before_any_process_starts(t
     args = grpo_args(tiny_llama, rl_data, "unused", actor_rollout_ref__rollout__agent__default_agent_loop="tool_agent")
     assert main(["grpo", "--nproc-per-node", "2", *args]) == 1
     assert "the tool_agent loop answers over several turns: it needs actor_rollout_ref.rollout.multi_turn.enable=true" in capsys.readouterr().err
+
+
+def test_a_critic_or_reward_model_that_cannot_serve_is_named_before_any_process_starts(tiny_llama, ids_llama, rl_data, capsys):
+    args = grpo_args(tiny_llama, rl_data, "unused", algorithm__adv_estimator="gae", critic__model__path=ids_llama)
+    assert main(["grpo", "--nproc-per-node", "2", *args]) == 1
+    assert "has 1024 token embeddings, fewer than the 49152 tokens of the actor's tokenizer" in capsys.readouterr().err
+    args = grpo_args(tiny_llama, rl_data, "unused", reward_model__enable="true", reward_model__model__path=tiny_llama)
+    assert main(["grpo", "--nproc-per-node", "2", *args]) == 1
+    assert "has 2 labels: a reward model has one" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForTokenClassification, PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdptrain.config.grpo import GRPOConfig, RefFSDPConfig
+from fsdptrain.config.grpo import CriticConfig, GRPOConfig, RefFSDPConfig, RewardModelConfig
 from fsdptrain.config.shared import FSDPConfig, ModelConfig
 from fsdptrain.data.dataset import Sample, check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
@@ -214,6 +214,8 @@ class GRPOInputs:
     val: list[Prompt]
     total_steps: int
     added: AddedTokens | None  # actor_rollout_ref.model.added_tokens_file's
+    critic_config: PretrainedConfig | None  # critic.model.path's, with its value head (PPO)
+    reward_config: PretrainedConfig | None  # reward_model.model.path's (reward_model.enable)
     loops: dict[str, Loop]  # the agent loops the rows name, built (and so checked) before the engine they are given exists
 
 
@@ -239,7 +241,9 @@ def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
                   for files, key in ((config.data.train_files, "data.train_files"), (config.data.val_files, "data.val_files")))
     total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "prompts")
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, config.data.apply_chat_template_kwargs), [*train, *val])
-    return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, loops)
+    critic_config = critic_model_config(config.critic, len(tokenizer), plan.sp_size) if plan.critic is not None else None
+    reward_config = reward_model_config(config.reward_model) if config.reward_model.enable else None
+    return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, loops, critic_config, reward_config)
 
 
 def run_grpo(config: GRPOConfig) -> None:
@@ -253,7 +257,7 @@ def run_grpo(config: GRPOConfig) -> None:
     algorithm = config.algorithm
     shaping = build_reward_shaping(config)
     cursor = PromptCursor()
-    critic = build_critic(config, plan, parallel, total_steps, len(tokenizer)) if plan.critic is not None else None
+    critic = build_critic(config, plan, parallel, total_steps, inputs.critic_config) if plan.critic is not None else None
     states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})}
     if critic is not None:
         states["critic_scheduler"] = critic.scheduler
@@ -269,7 +273,7 @@ def run_grpo(config: GRPOConfig) -> None:
                    config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
                    run_config=asdict(config), states=states, companions=companions, lora=model_config.lora("actor_rollout_ref.model"),
                    added=inputs.added)
-    scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(config, parallel, tokenizer))
+    scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(config, parallel, tokenizer, inputs.reward_config))
     step_once = build_step(config, plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic)
     engine, loops = step_once.engine, inputs.loops
     for loop in loops.values():
@@ -366,11 +370,11 @@ def build_reward_shaping(config: GRPOConfig) -> RewardShaping:
                          algorithm.reward_clip, RunningMoments())
 
 
-def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer) -> list[BatchSource]:
-    """The reward model and the remote reward server, where configured."""
+def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer, reward_config: PretrainedConfig | None) -> list[BatchSource]:
+    """The reward model (`reward_config`: its folder's config) and the remote reward server, where configured."""
     settings, sources = config.reward_model, []
     if settings.enable:
-        sources.append(BatchSource("reward_model", settings.weight, build_reward_model(config, parallel, tokenizer)))
+        sources.append(BatchSource("reward_model", settings.weight, build_reward_model(config, parallel, tokenizer, reward_config)))
     if settings.remote_rm_url:
         remote = settings.remote
         sources.append(BatchSource("remote", remote.weight, RemoteReward(settings.remote_rm_url, tokenizer, remote.batch_size, remote.max_concurrency,
@@ -384,14 +388,21 @@ def frozen_fsdp(config: GRPOConfig, own: RefFSDPConfig) -> FSDPConfig:
     return replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=own.cpu_offload, fsdp_size=own.fsdp_size, model_dtype=own.model_dtype)
 
 
-def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer) -> RewardModel:
-    """reward_model.*: the sequence-classification checkpoint as a frozen, sharded token-classification model."""
+def reward_model_config(settings: RewardModelConfig) -> PretrainedConfig:
+    """reward_model.model.path's config, checked (a reward model has one label) before any process starts."""
+    model = settings.model
+    hf_config = load_model_config(model.path, "reward_model.model.path", ModelConfig(model.trust_remote_code, False, "auto"), sp_size=1)
+    if hf_config.num_labels != 1:
+        raise ConfigError(f"reward_model.model.path={model.path!r} has {hf_config.num_labels} labels: a reward model has one")
+    return hf_config
+
+
+def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer, hf_config: PretrainedConfig) -> RewardModel:
+    """reward_model.*: the sequence-classification checkpoint (`hf_config`: its config) as a frozen, sharded
+    token-classification model."""
     settings, trainer = config.reward_model, config.trainer
     model_config = ModelConfig(settings.model.trust_remote_code, enable_gradient_checkpointing=False,
                                attn_implementation=config.actor_rollout_ref.model.attn_implementation)
-    hf_config = load_model_config(settings.model.path, "reward_model.model.path", model_config, sp_size=1)
-    if hf_config.num_labels != 1:
-        raise ConfigError(f"reward_model.model.path={settings.model.path!r} has {hf_config.num_labels} labels: a reward model has one")
     tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
     model = build_sharded_model(settings.model.path, model_config, frozen_fsdp(config, settings.model.fsdp_config), hf_config, trainer,
                                 parallel, settings.model.use_remove_padding, trainable=False, auto_class=AutoModelForTokenClassification)
@@ -402,15 +413,21 @@ def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer)
                        None if same_tokenizer(tokenizer, policy_tokenizer) else tokenizer, offload)
 
 
-def build_critic(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, total_steps: int, vocabulary: int) -> Critic:
-    """PPO's critic (critic.*): the backbone of critic.model.path with a value head, sharded and trained with
-    its own optimizer and LR schedule."""
-    critic, trainer = config.critic, config.trainer
-    hf_config = load_model_config(critic.model.path, "critic.model.path", critic.model, parallel.sp_size)
+def critic_model_config(critic: CriticConfig, vocabulary: int, sp_size: int) -> PretrainedConfig:
+    """critic.model.path's config with a value head, checked before any process starts: it reads the token ids of
+    the actor's tokenizer (`vocabulary` of them)."""
+    hf_config = load_model_config(critic.model.path, "critic.model.path", critic.model, sp_size)
     if hf_config.vocab_size < vocabulary:
         raise ConfigError(f"critic.model.path={critic.model.path!r} has {hf_config.vocab_size} token embeddings, fewer than the "
                           f"{vocabulary} tokens of the actor's tokenizer, whose token ids it reads")
     hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0  # one value per token, and no dropout on it, as verl's critic
+    return hf_config
+
+
+def build_critic(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, total_steps: int, hf_config: PretrainedConfig) -> Critic:
+    """PPO's critic (critic.*): the backbone of critic.model.path (`hf_config`: its config, critic_model_config's)
+    with a value head, sharded and trained with its own optimizer and LR schedule."""
+    critic, trainer = config.critic, config.trainer
     model = build_sharded_model(critic.model.path, critic.model, critic.model.fsdp_config, hf_config, trainer, parallel,
                                 critic.model.use_remove_padding, trainable=True, auto_class=AutoModelForTokenClassification)
     model.train()

@@ -21,7 +21,7 @@ from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import world_from_environment
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES
 from fsdptrain.rl.critic import value_backward
-from fsdptrain.trainer.grpo import build_critic
+from fsdptrain.trainer.grpo import build_critic, critic_model_config
 from fsdptrain.trainer.grpo_plan import critic_batching, plan_grpo
 from fsdptrain.trainer.setup import end_run, start_run
 from tests.checks.common import relative_gap, two_groups
@@ -70,7 +70,8 @@ def main() -> None:
     model_dir, out, micro, packed, sp = sys.argv[1:6]
     base = config(model_dir, micro, packed, sp)
     parallel = start_run(base.trainer, sp_size=int(sp))
-    critic = build_critic(base, plan_grpo(base, world_from_environment("cpu"), pad_id=0), parallel, total_steps=1, vocabulary=1000)
+    plan = plan_grpo(base, world_from_environment("cpu"), pad_id=0)
+    critic = build_critic(base, plan, parallel, total_steps=1, hf_config=critic_model_config(base.critic, 1000, plan.sp_size))
     # two prompts' groups of four, with returns on their response tokens
     everything = two_groups(lambda g, prompt, response, mask: {"returns": torch.randn(prompt + response, generator=g) * mask})
     mine = everything[parallel.dp_rank :: parallel.dp_size]
