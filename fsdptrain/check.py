@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 
-from fsdptrain.config.verl_keys import translate
+from fsdptrain.config.verl_keys import default_differences, translate
 from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import UserError
 
@@ -97,6 +97,10 @@ def check(trainer: str, overrides: list[str], world: World) -> int:
     print(f"fsdptrain.check: the {trainer} run would start.")
     for line in sizes:
         print(f"  {line}")
+    if differences := default_differences(trainer, [*overrides, *kept]):
+        print("  defaults that are not verl 0.9's, of the keys this command line leaves unset (why: docs/from_verl.md):")
+        for line in differences:
+            print(f"    {line}")
     if not world.here:
         print(f"  not checked: the optional packages the run imports (loggers, vLLM): --device {world.device.type} is not this machine's")
     return 0

@@ -1,5 +1,6 @@
 """Write the table of verl 0.9's keys that docs/from_verl.md's hand-written tables do not name, from
-fsdptrain/config/verl_keys.yaml (one row a reason, its keys together), between the page's markers.
+fsdptrain/config/verl_keys.yaml (one row a reason, its keys together), and the table of the defaults that are not
+verl 0.9's, from fsdptrain/config/verl_defaults.yaml, between the page's markers.
 
     python scripts/verl_keys_doc.py          # rewrites the section in place
 """
@@ -11,6 +12,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "from_verl.md"
 TABLE = REPO / "fsdptrain" / "config" / "verl_keys.yaml"
+DEFAULTS = REPO / "fsdptrain" / "config" / "verl_defaults.yaml"
 BEGIN, END = "<!-- verl_keys_doc.py: begin -->", "<!-- verl_keys_doc.py: end -->"
 
 
@@ -49,6 +51,15 @@ def section(hand_written: str) -> str:
                 rows.setdefault(state(entry), []).append(key)
         lines += [f"**{'GRPO' if trainer == 'grpo' else 'SFT'}**", "", "| verl keys | state | here |", "|---|---|---|"]
         lines += [f"| {', '.join(f'`{k}`' for k in keys)} | {name} | {why} |" for (name, why), keys in rows.items()]
+        lines.append("")
+    lines += ["### Defaults that are not verl 0.9's", "",
+              "Of the keys fsdptrain shares with verl 0.9, those whose default differs (`fsdptrain/config/verl_defaults.yaml`; "
+              "`python -m fsdptrain.check` names those a command line leaves unset, but for the ones marked *no effect*: "
+              "another spelling of verl's default, or a key verl requires).", ""]
+    for trainer, entries in yaml.safe_load(DEFAULTS.read_text()).items():
+        lines += [f"**{'GRPO' if trainer == 'grpo' else 'SFT'}**", "", "| key | verl 0.9 | why |", "|---|---|---|"]
+        lines += [f"| `{key}` | `{as_yaml(entry['verl'])}` | {' '.join(entry['why'].split())}{' (no effect)' if entry.get('quiet') else ''} |"
+                  for key, entry in entries.items()]
         lines.append("")
     return "\n".join([*lines, END])
 

@@ -22,6 +22,9 @@ def test_a_grpo_run_for_eight_gpus_would_start_with_its_sizes(tiny_llama, rl_dat
     assert "training prompts: 32 (validation: 4); steps: 8" in out  # 2 epochs of 32 // 8
     assert "8 prompts x 4 responses = 32 sequences, 2 prompts a data-parallel rank" in out
     assert "use_fused_kernels=True changes nothing here" in err  # a verl key, named with its reason
+    # the defaults that are not verl 0.9's, of the keys it leaves unset (data.train_batch_size is set)
+    assert "defaults that are not verl 0.9's" in out and "trainer.val_before_train=False (verl: True)" in out
+    assert "data.train_batch_size=64" not in out and "actor_rollout_ref.actor.clip_ratio_low" not in out  # set; no effect
 
 
 def test_every_problem_of_a_command_line_is_named_and_the_exit_is_1(tiny_llama, rl_data, capsys):

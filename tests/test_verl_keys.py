@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 from launch_arguments import launch_arguments
 
 from fsdptrain.config.grpo import load_grpo_config
@@ -236,6 +237,38 @@ def test_the_docs_count_the_states_of_verl_09s_keys():
         for start, states in rows.items():
             (line,) = [line for line in page if line.startswith(f"| {start}")]
             assert int(line.split("|")[2 + column]) == sum(counts[s] for s in states), line
+
+
+def comparable(value, key: str):
+    """A default as its meaning: numbers as floats, verl's `${oc.select:KEY,default}` and relative `${.key}` as the
+    plain `${KEY}` they resolve to."""
+    if isinstance(value, str) and "${" in value:
+        value = re.sub(r"\$\{oc\.select:([^,}]+),[^}]*\}", r"${\1}", value)
+        return re.sub(r"\$\{\.([^}]+)\}", lambda m: "${" + key.rsplit(".", 1)[0] + "." + m.group(1) + "}", value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+@pytest.mark.parametrize("trainer, verl_name", [("grpo", "ppo_trainer"), ("sft", "sft_trainer")])
+def test_each_default_not_verls_is_listed_with_its_reason(trainer, verl_name):
+    """Every key fsdptrain shares with verl 0.9 (its own key, verl's meaning) takes verl's default, or
+    fsdptrain/config/verl_defaults.yaml lists it with verl's default and why; no entry lists a default that is
+    verl's."""
+    verl = yaml.safe_load((EXAMPLES / "verl-0.9.0" / f"{verl_name}_defaults.yaml").read_text())
+    ours = OmegaConf.to_container(OmegaConf.load(REPO / "fsdptrain" / "config" / f"{trainer}_trainer.yaml"))
+    table = yaml.safe_load((REPO / "fsdptrain" / "config" / "verl_defaults.yaml").read_text())[trainer]
+    shared = [key for key, state, _, _ in ((o.partition("=")[0], *rest) for o, *rest in key_states([f"{k}=1" for k in verl], trainer))
+              if state == "key"]
+    differing = set()
+    for key in shared:
+        value = ours
+        for part in key.split("."):
+            value = value[part]
+        if comparable(value, key) != comparable(verl[key], key):
+            differing.add(key)
+            assert key in table, f"{key}: {value!r} here, {verl[key]!r} in verl 0.9, and no reason in verl_defaults.yaml"
+            assert comparable(table[key]["verl"], key) == comparable(verl[key], key), key
+    assert set(table) == differing, f"listed but verl's default: {sorted(set(table) - differing)}"
+    assert all(entry["why"].strip() for entry in table.values())
 
 
 def test_the_table_names_each_key_once():

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from fsdptrain.config.base import defaults
 
 TABLE = os.path.join(os.path.dirname(__file__), "verl_keys.yaml")
+DEFAULTS = os.path.join(os.path.dirname(__file__), "verl_defaults.yaml")  # the shared keys whose default is not verl's
 
 
 def verl_table(trainer: str) -> dict[str, dict[str, Any]]:
@@ -176,3 +177,20 @@ def translate_argv(argv: list[str], trainer: str) -> tuple[list[str], list[str]]
     for the config's loading to report."""
     overrides, problems = translate(argv[1:], trainer, int(os.environ.get("WORLD_SIZE", "1")))
     return [argv[0], *overrides], problems
+
+
+def default_differences(trainer: str, overrides: list[str]) -> list[str]:
+    """The defaults that are not verl 0.9's and can change a verl script's run (verl_defaults.yaml, where each
+    says why), of the keys `overrides` leave unset: `key=here (verl: verl's)`, one a line."""
+    with open(DEFAULTS) as f:
+        table = yaml.safe_load(f)[trainer]
+    given = {override.partition("=")[0].lstrip("+") for override in overrides}
+    ours = OmegaConf.to_container(defaults(f"{trainer}_trainer"))
+    lines = []
+    for key, entry in table.items():
+        if not entry.get("quiet") and key not in given:
+            value = ours
+            for part in key.split("."):
+                value = value[part]
+            lines.append(f"{key}={value} (verl: {entry['verl']})")
+    return lines
