@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 from launch_arguments import launch_arguments
+from omegaconf import OmegaConf
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.sft import load_sft_config
@@ -330,7 +330,8 @@ def test_verl_09s_examples_for_other_engines_are_refused_in_three_lines_naming_t
 @pytest.mark.parametrize("script", [p for p in sorted(V09_EXAMPLES.rglob("*.sh")) if p not in OTHER_ENGINES], ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_verl_09s_fsdp_examples_load(script):
     """Each FSDP script of verl 0.9.0's examples (grpo_trainer, ppo_trainer, sft), its arguments as bash computes
-    them: no unknown key; a problem only where the script asks for something not built, each naming its reason.
+    them: no unknown key; a problem only where the script asks for something not built, each naming its reason; the
+    others compose through Hydra and load as the trainer loads them.
     The new SFT layout's scripts load as multi-turn chat data, as verl's sft_trainer reads them."""
     positional = ("8", "/tmp/save") if script.parent.parent.name == "sft" else ()
     module, args = launch_arguments(script, *positional, env={"INFER_BACKEND": "vllm"})
@@ -343,11 +344,18 @@ def test_verl_09s_fsdp_examples_load(script):
     expected = V09_REFUSED.get(script.name, set())
     assert all(any(p.startswith(key) for key in expected) for p in refused), problems
     assert bool(problems) == bool(expected), problems
-    if trainer == "sft" and not problems:
-        local = [f"data.train_files={script}", "model.partial_pretrain=/models/x"]
+    if problems:
+        return
+    # Hydra's own compose of what the script asks for (its paths replaced), as the trainer runs it
+    if trainer == "sft":
+        local = {"data.train_files": script, "model.partial_pretrain": "/models/x"}
         with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-            config = load_sft_config(compose(config_name="sft_trainer", overrides=with_local(overrides, dict(o.split("=", 1) for o in local))))
+            config = load_sft_config(compose(config_name="sft_trainer", overrides=with_local(overrides, local)))
         assert config.data.multiturn.enable and config.data.multiturn.messages_key == "messages"
+    else:
+        local = {"data.train_files": "/data/train.parquet", "data.val_files": "/data/val.parquet", "actor_rollout_ref.model.path": "/models/x"}
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            load_grpo_config(compose(config_name="grpo_trainer", overrides=with_local(overrides, local)))
 
 
 def test_the_docs_table_lists_every_key():
