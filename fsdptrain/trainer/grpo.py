@@ -243,7 +243,8 @@ def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, config.data.apply_chat_template_kwargs), [*train, *val])
     critic_config = critic_model_config(config.critic, len(tokenizer), plan.sp_size) if plan.critic is not None else None
     reward_config = reward_model_config(config.reward_model) if config.reward_model.enable else None
-    return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, loops, critic_config, reward_config)
+    return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, critic_config=critic_config, reward_config=reward_config,
+                      loops=loops)
 
 
 def run_grpo(config: GRPOConfig) -> None:
