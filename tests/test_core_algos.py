@@ -117,14 +117,16 @@ def test_gspo_uses_the_sequence_ratio_with_token_gradients():
 
 def test_rollout_correction_weights_by_hand():
     old, rollout, mask = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.5, -1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0])
-    capped, raw = core_algos.rollout_is_weights(old, rollout, mask, "token", threshold=1.5)
+    capped, raw = core_algos.rollout_is_weights(old, rollout, mask, "token", upper=1.5)
     torch.testing.assert_close(raw, torch.tensor([math.exp(0.5), math.exp(-1.0), 1.0]))  # off the mask the log-ratio is 0
     torch.testing.assert_close(capped, torch.tensor([1.5, math.exp(-1.0), 0.0]))
-    capped, raw = core_algos.rollout_is_weights(old, rollout, mask, "sequence", threshold=1.5)
+    capped, raw = core_algos.rollout_is_weights(old, rollout, mask, "sequence", upper=1.5)
     torch.testing.assert_close(capped, torch.tensor([math.exp(-0.5), math.exp(-0.5), 0.0]))  # exp(0.5 - 1) on every token
     for level in ("token", "sequence"):  # the same policy on both sides: weights exactly 1
-        capped, _ = core_algos.rollout_is_weights(old, old.clone(), mask, level, threshold=2.0)
+        capped, _ = core_algos.rollout_is_weights(old, old.clone(), mask, level, upper=2.0)
         assert capped.tolist() == [1.0, 1.0, 0.0]
+    icepop, _ = core_algos.rollout_is_weights(old, rollout, mask, "token", upper=1.5, lower=0.3)  # exp(0.5) above 1.5: 0, not capped
+    torch.testing.assert_close(icepop, torch.tensor([0.0, math.exp(-1.0), 0.0]))
 
 
 def test_kl_estimators_by_hand_and_straight_through_gradient():

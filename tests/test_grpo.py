@@ -187,14 +187,16 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_sequence_parallel_dynamic_sampling_and_rollout_correction(tmp_path, tiny_llama, rl_data):
     """One Ulysses group of two ranks; DAPO's dynamic sampling on `acc` keeps only the groups where it varies and
     draws again until it has train_batch_size of them (max_num_gen_batches=0: no limit, verl's default); token-level rollout correction with the HF engine's
-    sampling log-probs, which are the trainer's (weights 1, probabilities equal); the reward function under
-    newer verl's key."""
+    sampling log-probs, which are the trainer's (weights 1, normalized by a mean of 1, probabilities equal, no
+    token rejected); the reward function under newer verl's key."""
     reward = tmp_path / "parity.py"
     reward.write_text(PARITY_REWARD)
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(
         tiny_llama, rl_data, out, actor_rollout_ref__actor__ulysses_sequence_parallel_size=2, algorithm__filter_groups__enable="true",
-        algorithm__filter_groups__metric="acc", algorithm__filter_groups__max_num_gen_batches="0", algorithm__rollout_correction__rollout_is="token", custom_reward_function__path="null",
+        algorithm__filter_groups__metric="acc", algorithm__filter_groups__max_num_gen_batches="0", algorithm__rollout_correction__rollout_is="token",
+        algorithm__rollout_correction__rollout_is_batch_normalize="true", algorithm__rollout_correction__rollout_rs="'token_k1,seq_max_k2'",
+        algorithm__rollout_correction__rollout_rs_threshold="'0.5_2.0,0.5'", custom_reward_function__path="null",
         reward__custom_reward_function__path=str(reward), trainer__rollout_data_dir=f"{out}/rollouts", data__val_files="null"))
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -208,6 +210,8 @@ def test_sequence_parallel_dynamic_sampling_and_rollout_correction(tmp_path, tin
     for m in metrics:
         assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
         assert m["rollout_corr/rollout_is_capped_fraction"] == 0.0
+        assert m["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.0, abs=1e-4)
+        assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and m["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.0
         assert m["training/rollout_probs_diff_max"] < 1e-4
         assert abs(m["rollout_corr/kl"]) < 1e-5
         assert m["actor/grad_norm"] > 0

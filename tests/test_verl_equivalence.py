@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from fsdptrain.config.grpo import importance_bounds, rejection_options
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.core_algos import GroupSettings, PolicyLossSettings, PolicyTokens
 
 from checks.verl_reference import load_core_algos, load_verl
+from conftest import torchrun
 
 verl = load_core_algos()
 pytestmark = pytest.mark.skipif(verl is None, reason="verl 0.9.1 is not unpacked under .cache/ (bash scripts/setup.sh test does it)")
@@ -302,3 +304,26 @@ def test_optimal_token_baselines_equal_verls(estimator, with_is_weights):
             rewards[rows], mask[rows], old_log_probs[rows], sum_pi_squared[rows], None if is_weights is None else is_weights[rows], compact)
     torch.testing.assert_close(advantages, verl_advantages, **TOLERANCE)
     torch.testing.assert_close(returns, verl_returns, **TOLERANCE)
+
+
+def test_rollout_correction_equals_verls_over_two_ranks():
+    """Rejection in every option verl's helper has, alone and chained, with both threshold forms, and importance
+    weights truncated or IcePop-bounded, normalized over both ranks' batch (tests/checks/rollout_correction_check.py)."""
+    assert "equals verl's on 5 cases" in torchrun(2, "tests.checks.rollout_correction_check", []).stdout
+
+
+@pytest.mark.parametrize("options, thresholds", [("token_k1", "1.5"), ("token_k1", "0.2_1.2"), ("seq_sum_k1,seq_max_k3", "0.5_2,0.1"),
+                                                  ("token_k2,token_k2,seq_mean_k1", 3), ("seq_mean_k2,seq_sum_k3", "0.5, 0.25")])
+def test_rejection_thresholds_read_as_verls(options, thresholds):
+    helper = load_verl("verl.trainer.ppo.rollout_corr_helper")
+    names = list(dict.fromkeys(o.strip() for o in options.split(",")))
+    expected = helper._parse_rollout_rs_thresholds(names, thresholds)
+    for (level, kind, low, high), name in zip(rejection_options(options, thresholds), names, strict=True):
+        assert f"{level}_{kind}" == name
+        bounds = expected[name]
+        if kind == "k1":
+            assert (low, high) == pytest.approx((np.log(bounds["lower"]), np.log(bounds["upper"])))
+        else:
+            assert (low, high) == (None, bounds["upper"])
+    for threshold in (2.0, "1.5", "0.5_2.0"):
+        assert importance_bounds(threshold) == helper._parse_rollout_is_threshold(threshold)

@@ -302,7 +302,6 @@ V09_EXAMPLES = EXAMPLES / "verl-0.9.0" / "examples"
 V09_REFUSED = {
     "run_qwen3_next_80b_a3b_fsdp.sh": {"actor_rollout_ref.rollout.val_kwargs.top_p", "actor_rollout_ref.model.enable_activation_offload"},
     "run_minicpm_o_2_6_fsdp.sh": {"data.custom_cls"},
-    "run_qwen3_vl_30b_a3b_fsdp.sh": {"algorithm.rollout_correction.rollout_is_batch_normalize", "algorithm.rollout_correction.rollout_rs"},
 }
 
 

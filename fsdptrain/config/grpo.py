@@ -323,7 +323,10 @@ class FilterGroupsConfig:
 @dataclass
 class RolloutCorrectionConfig:
     rollout_is: str | None
-    rollout_is_threshold: float
+    rollout_is_threshold: Any  # an upper bound, or "lower_upper"
+    rollout_is_batch_normalize: bool
+    rollout_rs: str | None
+    rollout_rs_threshold: Any  # one per rollout_rs option (or one for all), comma-separated
     bypass_mode: bool
     loss_type: str
 
@@ -365,8 +368,76 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
     correction = algorithm.rollout_correction
     one_of("algorithm.rollout_correction.rollout_is", correction.rollout_is, (None, "token", "sequence"))
     one_of("algorithm.rollout_correction.loss_type", correction.loss_type, ("ppo_clip", "reinforce"))
-    if correction.rollout_is is not None:
-        positive("algorithm.rollout_correction.rollout_is_threshold", correction.rollout_is_threshold)
+    importance_bounds(correction.rollout_is_threshold)
+    rejection_options(correction.rollout_rs, correction.rollout_rs_threshold)
+    if correction.bypass_mode and (correction.rollout_rs is not None or correction.rollout_is_batch_normalize):
+        raise ConfigError("algorithm.rollout_correction.rollout_rs and rollout_is_batch_normalize apply once per batch, between the "
+                          "old policy's pass and the advantages: under bypass_mode there is no such pass (verl applies them "
+                          "in each micro-batch's loss, which is not built here)")
+
+
+RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+RS_OPTIONS = tuple(f"{level}_{kind}" for level in RS_LEVELS for kind in ("k1", "k2", "k3") if (level, kind) != ("seq_max", "k1"))
+
+
+def bound(key: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{key}: {text!r} is not a number") from None
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {text}")
+    return value
+
+
+def importance_bounds(threshold: Any) -> tuple[float, float | None]:
+    """algorithm.rollout_correction.rollout_is_threshold as (upper, lower): a number caps the weights (truncated
+    IS); "lower_upper" zeroes those outside (IcePop), as verl's."""
+    key = "algorithm.rollout_correction.rollout_is_threshold"
+    lower, _, upper = str(threshold).strip().rpartition("_")
+    upper_value = bound(key, upper)
+    if not lower:
+        return upper_value, None
+    lower_value = bound(key, lower)
+    if lower_value > upper_value:
+        raise ConfigError(f"{key}={threshold}: the lower bound exceeds the upper")
+    return upper_value, lower_value
+
+
+def rejection_options(options: str | None, thresholds: Any) -> list[tuple[str, str, float | None, float]]:
+    """algorithm.rollout_correction.rollout_rs (comma-separated options, each `level_kind`) with their thresholds, as
+    (level, kind, low, high), verl's grammar: one threshold for all or one per option; a k1 option takes
+    "lower_upper" or an upper alone (its lower 1/upper), its bounds on the ratio, kept as logs; the others an upper bound."""
+    key, threshold_key = "algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs_threshold"
+    if options is None:
+        return []
+    names = list(dict.fromkeys(option.strip() for option in str(options).split(",") if option.strip()))
+    for name in names:
+        if name not in RS_OPTIONS:
+            raise ConfigError(f"{key}: {name!r} is not one of {', '.join(RS_OPTIONS)}")
+    if not names:
+        raise ConfigError(f"{key}={options!r} names no option; null turns rejection off")
+    if thresholds is None:
+        raise ConfigError(f"{key}={options} needs {threshold_key} (one per option, comma-separated, or one for all)")
+    specs = [spec.strip() for spec in str(thresholds).split(",") if spec.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ConfigError(f"{threshold_key}={thresholds}: {len(specs)} thresholds for {len(names)} options of {key}; give one for all "
+                          "or one per option")
+    rules = []
+    for name, spec in zip(names, specs * len(names) if len(specs) == 1 else specs):
+        level, kind = name.rsplit("_", 1)
+        lower, _, upper = spec.rpartition("_")
+        if kind != "k1":
+            if lower:
+                raise ConfigError(f"{threshold_key}: {name} takes an upper bound alone, got {spec!r}")
+            rules.append((level, kind, None, bound(threshold_key, upper)))
+            continue
+        high = bound(threshold_key, upper)
+        low = bound(threshold_key, lower) if lower else 1.0 / high
+        if low > high:
+            raise ConfigError(f"{threshold_key}: {name}'s lower bound exceeds its upper ({spec})")
+        rules.append((level, kind, math.log(low), math.log(high)))
+    return rules
 
 
 def validate_reward_shaping(algorithm: AlgorithmConfig) -> None:

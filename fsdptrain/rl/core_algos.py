@@ -299,8 +299,9 @@ class PolicyLossSettings:
     dro_beta: float | None = None
     policy_drift_coef: float = 0.01  # CPGD's
     bypass_loss_type: str = "ppo_clip"  # algorithm.rollout_correction.loss_type, under loss_mode bypass_mode
-    rollout_is: str | None = None  # bypass_mode's reinforce weights: their level and cap
+    rollout_is: str | None = None  # bypass_mode's reinforce weights: their level and cap (with a lower bound: IcePop's bounds)
     rollout_is_threshold: float = 2.0
+    rollout_is_lower: float | None = None
 
 
 @dataclass(frozen=True)
@@ -500,7 +501,10 @@ def bypass_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
         raw = (tokens.log_probs - tokens.old_log_probs).detach() * tokens.mask
         if settings.rollout_is == "sequence":
             raw = tokens.sequence_mean(raw) * tokens.sequence_tokens
-        loss = loss * torch.exp(raw.clamp(-20.0, 20.0)).clamp(max=settings.rollout_is_threshold) * tokens.mask
+        weights = torch.exp(raw.clamp(-20.0, 20.0))
+        upper, lower = settings.rollout_is_threshold, settings.rollout_is_lower
+        weights = weights.clamp(max=upper) if lower is None else torch.where((weights >= lower) & (weights <= upper), weights, 0.0)
+        loss = loss * weights * tokens.mask
     return loss, torch.zeros_like(tokens.mask), torch.zeros_like(tokens.mask)
 
 
@@ -542,15 +546,53 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 # ---- rollout correction -------------------------------------------------------------------------------------------
 def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str,
-                       threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights of one response (tokens,) for the gap between the engine that sampled it and
-    the trainer's old policy: token, exp(old - rollout) per token; sequence, exp(sum over the response of
-    old - rollout) on every token. Returns (the weights capped at `threshold`, 0 off the mask; the raw weights)."""
+                       upper: float, lower: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights of one response (tokens,) for the gap between the engine that sampled it and the
+    trainer's old policy: token, exp(old - rollout) per token; sequence, exp(sum over the response of old -
+    rollout) on every token. Capped at `upper` (truncated IS), or with `lower`, zero outside [lower, upper]
+    (IcePop), as verl's. Returns (the weights, 0 off the mask; the raw weights)."""
     log_ratio = (old_log_probs - rollout_log_probs) * mask
     if level == "sequence":
         log_ratio = log_ratio.sum().expand_as(mask)
     raw = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    return raw.clamp(max=threshold) * mask, raw
+    weights = raw.clamp(max=upper) if lower is None else torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    return weights * mask, raw
+
+
+# Each divergence of rollout_rs, from the log-ratio log(pi_old / pi_rollout): k1 the log-ratio of the engine to the
+# old policy, k2 half its square, k3 exp(r) - 1 - r (verl's names)
+REJECTION_DIVERGENCES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda r: -r, "k2": lambda r: 0.5 * r.square(), "k3": lambda r: torch.exp(r) - 1.0 - r}
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """One option of algorithm.rollout_correction.rollout_rs: `level` token, seq_sum, seq_mean or seq_max of the
+    divergence `kind`, kept within [low, high] (k1: the logs of its ratio bounds; k2, k3: high alone)."""
+
+    level: str
+    kind: str
+    low: float | None
+    high: float
+
+
+def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, rules: Sequence[RejectionRule]) -> torch.Tensor:
+    """verl's compute_rollout_rejection_mask on one response (tokens,): its mask with 0 where a rule rejects the
+    token (a sequence-level rule rejects the whole response)."""
+    r = log_ratio.clamp(-20.0, 20.0)
+    keep = mask.clone()
+    for rule in rules:
+        divergence = REJECTION_DIVERGENCES[rule.kind](r)
+        if rule.level == "seq_sum":
+            divergence = (divergence * mask).sum().expand_as(mask)
+        elif rule.level == "seq_mean":
+            divergence = ((divergence * mask).sum() / (mask.sum() + 1e-8)).expand_as(mask)
+        elif rule.level == "seq_max":
+            inside = divergence[mask > 0]
+            divergence = (inside.max() if inside.numel() else torch.zeros((), dtype=r.dtype)).expand_as(mask)
+        kept = divergence <= rule.high if rule.low is None else (divergence >= rule.low) & (divergence <= rule.high)
+        keep = keep * kept
+    return keep
 
 
 # ---- KL ---------------------------------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ class GRPOStep:
                 baselines = torch.tensor(self.sampler.greedy_scores(groups))[group_ids]
         samples = make_samples(generations, plan.mask_truncated_completions)
         self.actor_offload.params_back()
-        metrics.update(self.old_log_probs(samples, generations, timer))
+        old_metrics, trained = self.old_log_probs(samples, generations, timer)
+        metrics.update(old_metrics)
         if self.reference is not None:
             self.reference_log_probs(samples, timer)
         if self.critic is not None:
@@ -119,12 +120,12 @@ class GRPOStep:
             if self.kl_ctrl is not None:
                 metrics.update(penalize_kl(token_rewards, samples, generations, self.kl_ctrl, advantage.kl_penalty, parallel))
         with timer("adv"):
-            advantages = self.advantages(token_rewards, samples, generations, group_ids, scored, baselines)
+            advantages = self.advantages(token_rewards, samples, trained, group_ids, scored, baselines)
             if advantage.clip is not None:
-                metrics.update(clip_advantages(advantages, generations, advantage.clip, parallel))
-            put_token_values(samples, generations, advantages, "advantage")
+                metrics.update(clip_advantages(advantages, trained, advantage.clip, parallel))
+            put_token_values(samples, trained, advantages, "advantage")
             if plan.loss.sft_coef:
-                put_token_values(samples, generations, [g.mask * float(s["acc"] > 0) for g, s in zip(generations, scored)], "sft")
+                put_token_values(samples, trained, [g.mask * float(s["acc"] > 0) for g, s in zip(trained, scored)], "sft")
         if self.critic is not None:
             with timer("update_critic"):
                 self.critic_offload.optimizer_back()
@@ -136,8 +137,8 @@ class GRPOStep:
                 metrics.update(self.actor.update(samples, first_pass_is_old=plan.one_pass))
             if plan.agreement and plan.one_pass:  # the old log-probs came from the update's forward, of the samples it forwarded
                 forwarded = [i for i, sample in enumerate(samples) if "old_log_prob" in sample.token_values]
-                metrics.update(rollout_agreement([samples[i] for i in forwarded], [generations[i] for i in forwarded], plan.rollout_is,
-                                                 plan.rollout_is_threshold, parallel))
+                metrics.update(rollout_agreement([samples[i] for i in forwarded], [generations[i] for i in forwarded], plan.correction,
+                                                 parallel)[0])
             with timer("update_weights"):
                 self.sync_weights()
         if plan.reference_sync is not None and plan.reference_sync.due(timer.step):
@@ -168,9 +169,10 @@ class GRPOStep:
             compute_log_probs(self.reference, samples, self.plan.ref_batching, self.actor.forward, self.actor.parallel, "ref_log_prob")
             self.reference_offload.leave()
 
-    def old_log_probs(self, samples: list[Sample], generations: list[Generation], timer: StepTimer) -> dict[str, float]:
+    def old_log_probs(self, samples: list[Sample], generations: list[Generation], timer: StepTimer) -> tuple[dict[str, float], list[Generation]]:
         """The old policy's log-probs on the samples: the engine's (bypass), or a pass of their own, with the
-        engine's agreement metrics; none with one_pass (the update's first forward computes them)."""
+        engine's agreement metrics and the rollout correction applied (rollout_agreement); none with one_pass (the
+        update's first forward computes them). Returns the metrics and the generations as the advantages see them."""
         plan = self.plan
         if plan.old_from_rollout:
             for sample in samples:
@@ -179,8 +181,8 @@ class GRPOStep:
             with timer("old_log_prob"):
                 self.actor.log_probs(samples, "old_log_prob", with_sum_pi_squared=plan.sum_pi_squared)
             if plan.agreement:
-                return rollout_agreement(samples, generations, plan.rollout_is, plan.rollout_is_threshold, self.actor.parallel)
-        return {}
+                return rollout_agreement(samples, generations, plan.correction, self.actor.parallel)
+        return {}, generations
 
     def advantages(self, token_rewards: list[torch.Tensor], samples: list[Sample], generations: list[Generation], group_ids: torch.Tensor,
                    scored: list[dict], baselines: torch.Tensor | None) -> list[torch.Tensor]:

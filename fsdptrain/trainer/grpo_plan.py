@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from fsdptrain.config.base import check_packages, one_of, read_config
-from fsdptrain.config.grpo import ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, own_checks, validate_critic
+from fsdptrain.config.grpo import (
+    ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, importance_bounds, own_checks, rejection_options, validate_critic,
+)
 from fsdptrain.config.shared import logger_packages, validate_sequence_parallel
 from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
 from fsdptrain.distributed.mesh import World, check_fsdp_size, check_sp_divides_world, world_from_environment
@@ -21,10 +23,11 @@ from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
 from fsdptrain.rl.advantages import AdvantageSettings
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, MultiTurnSettings
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
-from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossSettings
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossSettings, RejectionRule
 from fsdptrain.rl.critic import ValueLossSettings
 from fsdptrain.rl.reference_sync import ReferenceSync
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
+from fsdptrain.rl.rollout_correction import Correction
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
 from fsdptrain.rl.rollout.beams import read_catalog
 from fsdptrain.rl.rollout.vllm import EngineSettings
@@ -73,8 +76,7 @@ class GRPOPlan:
     greedy_baseline: bool  # each prompt is also answered greedily, its score the baseline (ReMax)
     sum_pi_squared: bool  # the old-policy pass also keeps each token's sum of squared probabilities (optimal token baseline)
     agreement: bool  # the engine's sampling log-probs are kept and compared with the old policy's
-    rollout_is: str | None
-    rollout_is_threshold: float
+    correction: Correction  # off (no weights, no rejection) under bypass: the loss itself weighs
     advantage: AdvantageSettings
     mask_truncated_completions: bool
     critic_warmup: int
@@ -176,7 +178,9 @@ def warn_about_estimates(config: GRPOConfig) -> None:
     if algorithm.use_kl_in_reward and config.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
                       "reference: it is counted twice", stacklevel=3)
-    if (algorithm.rollout_correction.rollout_is is not None or bypasses(config)) and (rollout.top_p < 1 or rollout.top_k > 0):
+    correction = algorithm.rollout_correction
+    corrects = correction.rollout_is is not None or correction.rollout_rs is not None or bypasses(config)
+    if corrects and (rollout.top_p < 1 or rollout.top_k > 0):
         warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
                       "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
                       stacklevel=3)
@@ -291,7 +295,8 @@ def check_reference_sync(config: GRPOConfig) -> None:
 def wants_sampling_log_probs(config: GRPOConfig) -> bool:
     """Whether the step reads the engine's sampling log-probs (kept, compared or trained on)."""
     rollout = config.actor_rollout_ref.rollout
-    return rollout.calculate_log_probs or config.algorithm.rollout_correction.rollout_is is not None or bypasses(config)
+    correction = config.algorithm.rollout_correction
+    return rollout.calculate_log_probs or correction.rollout_is is not None or correction.rollout_rs is not None or bypasses(config)
 
 
 def check_beam_search(config: GRPOConfig) -> None:
@@ -429,13 +434,14 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     use_kl_in_reward = algorithm.use_kl_in_reward
     correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
     bypass = bypasses(config)
+    is_upper, is_lower = importance_bounds(correction.rollout_is_threshold)
     optimal_token = ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "optimal_token"
     loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
                                 actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
                                 actor.tau_pos, actor.tau_neg, policy_loss.clip_cov_ratio, policy_loss.clip_cov_lb, policy_loss.clip_cov_ub,
                                 policy_loss.kl_cov_ratio, policy_loss.ppo_kl_coef, policy_loss.dro_beta, policy_loss.policy_drift_coef,
-                                correction.loss_type, correction.rollout_is, correction.rollout_is_threshold)
+                                correction.loss_type, correction.rollout_is, is_upper, is_lower)
     loss = LossSettings(loss_mode, actor.loss_agg_mode, POLICY_LOSSES.info[loss_mode].get("agg_mode", actor.loss_agg_mode), policy,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.sft_loss_coef,
                         actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage)
@@ -447,7 +453,8 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     # bypass: the engine's log-probs are the old policy's, so there is nothing to compare them with, and its
     # rollout_is weighs the reinforce loss, not every loss
     rollout_is = None if bypass else correction.rollout_is
-    agreement = not bypass and (rollout.calculate_log_probs or rollout.name == "vllm" or rollout_is is not None)
+    rejection = tuple(RejectionRule(*rule) for rule in rejection_options(correction.rollout_rs, correction.rollout_rs_threshold))
+    agreement = not bypass and (rollout.calculate_log_probs or rollout.name == "vllm" or rollout_is is not None or bool(rejection))
     val = rollout.val_kwargs
     multi_turn = rollout.multi_turn
     overlong = config.reward_model.overlong_buffer
@@ -480,13 +487,13 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         max_gen_batches=algorithm.filter_groups.max_num_gen_batches,
         score_later=config.reward_model.launch_reward_fn_async,
         one_pass=(actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == data.train_batch_size and not use_kl_in_reward
-                  and rollout_is is None and not bypass and not optimal_token),
+                  and rollout_is is None and not rejection and not bypass and not optimal_token),
         add_ground_truth=rollout.add_gt,
         old_from_rollout=bypass,
         greedy_baseline=ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "baseline",
         sum_pi_squared=optimal_token,
         agreement=agreement,
-        rollout_is=rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
+        correction=Correction(rollout_is, is_upper, is_lower, correction.rollout_is_batch_normalize, rejection),
         advantage=AdvantageSettings(algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, algorithm.lam,
                                     algorithm.kl_penalty, algorithm.advantage_clip, reward_sources(config), algorithm.whiten_advantages),
         mask_truncated_completions=actor.mask_truncated_completions,
