@@ -12,7 +12,15 @@ from omegaconf import DictConfig
 
 from fsdptrain.config.base import check_packages, one_of, read_config
 from fsdptrain.config.grpo import (
-    ACTOR, CRITIC, ROLLOUT, CustomRewardConfig, GRPOConfig, importance_bounds, own_checks, rejection_options, validate_critic,
+    ACTOR,
+    CRITIC,
+    ROLLOUT,
+    CustomRewardConfig,
+    GRPOConfig,
+    importance_bounds,
+    own_checks,
+    rejection_options,
+    validate_critic,
 )
 from fsdptrain.config.shared import logger_packages, validate_sequence_parallel
 from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
@@ -27,10 +35,10 @@ from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AG
 from fsdptrain.rl.critic import ValueLossSettings
 from fsdptrain.rl.reference_sync import ReferenceSync
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
-from fsdptrain.rl.rollout_correction import Correction
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
 from fsdptrain.rl.rollout.beams import read_catalog
 from fsdptrain.rl.rollout.vllm import EngineSettings
+from fsdptrain.rl.rollout_correction import Correction
 from fsdptrain.rl.sampling import FILTER_KEYS, RolloutRequest
 
 HOST_MEMORY_FOR_ENGINES = 0.8  # on CPU: the share of host memory all of a host's vLLM engines may take together
