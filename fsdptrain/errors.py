@@ -12,8 +12,10 @@ class ConfigError(UserError, ValueError):
 
 class LostRankError(Exception):
     """A collective failed because a rank is gone or stuck; the message names the step, the collective and the
-    ranks that stopped beating. `reporter`: whether this rank prints it (the lowest rank still beating)."""
+    ranks that stopped beating. `reporter`: whether this rank prints it (the lowest rank still beating);
+    `report_within_s`: how long the others wait for it to have printed before they leave."""
 
-    def __init__(self, message: str, reporter: bool):
+    def __init__(self, message: str, reporter: bool, report_within_s: float):
         super().__init__(message)
         self.reporter = reporter
+        self.report_within_s = report_within_s

@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_module
 from launch_arguments import launch_arguments
 from omegaconf import OmegaConf
 
+from fsdptrain.check import main as check_main
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.sft import load_sft_config
 from fsdptrain.config.verl_keys import TABLE, entry_of, key_states, off_values, translate, verl_table
@@ -326,35 +327,53 @@ def test_verl_09s_examples_for_other_engines_are_refused_in_three_lines_naming_t
     assert any(engine in line for line in problems for engine in ("Megatron", "VeOmni", "AutoModel")), problems
 
 
-@pytest.mark.parametrize("script", [p for p in sorted(V09_EXAMPLES.rglob("*.sh")) if p not in OTHER_ENGINES], ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_verl_09s_fsdp_examples_load(script):
-    """Each FSDP script of verl 0.9.0's examples (grpo_trainer, ppo_trainer, sft), its arguments as bash computes
-    them: no unknown key; a problem only where the script asks for something not built, each naming its reason; the
-    others compose through Hydra and load as the trainer loads them.
-    The new SFT layout's scripts load as multi-turn chat data, as verl's sft_trainer reads them."""
-    positional = ("8", "/tmp/save") if script.parent.parent.name == "sft" else ()
-    module, args = launch_arguments(script, *positional, env={"INFER_BACKEND": "vllm"})
-    trainer = "sft" if module == "verl.trainer.sft_trainer" else "grpo"
-    assert module in ("verl.trainer.main_ppo", "verl.trainer.sft_trainer")
-    shape = {k: int(v) for k, _, v in (a.partition("=") for a in args) if k in ("trainer.nnodes", "trainer.n_gpus_per_node")}
-    overrides, problems = translate(args, trainer, shape.get("trainer.nnodes", 1) * shape.get("trainer.n_gpus_per_node", 8))
-    assert not [p for p in problems if "not a key of fsdptrain" in p]
-    refused = {p.partition("=")[0].partition(":")[0] for p in problems}
-    expected = V09_REFUSED.get(script.name, set())
-    assert all(any(p.startswith(key) for key in expected) for p in refused), problems
-    assert bool(problems) == bool(expected), problems
-    if problems:
-        return
-    # Hydra's own compose of what the script asks for (its paths replaced), as the trainer runs it
+@pytest.fixture(scope="module")
+def example_inputs(tmp_path_factory, tokenizer, tiny_llama, rl_data, chat_data) -> dict[str, object]:
+    """What verl 0.9.0's FSDP examples read, on this machine: the tiny model (actor, critic), a reward model, the
+    arithmetic RL data, the chat SFT data."""
+    from test_reward_model import save_reward_model
+
+    return {"model": tiny_llama, "reward_model": save_reward_model(tmp_path_factory.mktemp("rm"), tokenizer), "rl_data": rl_data,
+            "chat_data": chat_data, "out": str(tmp_path_factory.mktemp("out"))}
+
+
+def example_locals(trainer: str, inputs: dict[str, object]) -> dict[str, object]:
+    """The paths, model and sizes an example's command line takes on 2 CPU processes."""
     if trainer == "sft":
-        local = {"data.train_files": script, "model.partial_pretrain": "/models/x"}
-        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-            config = load_sft_config(compose(config_name="sft_trainer", overrides=with_local(overrides, local)))
-        assert config.data.multiturn.enable and config.data.multiturn.messages_key == "messages"
-    else:
-        local = {"data.train_files": "/data/train.parquet", "data.val_files": "/data/val.parquet", "actor_rollout_ref.model.path": "/models/x"}
-        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-            load_grpo_config(compose(config_name="grpo_trainer", overrides=with_local(overrides, local)))
+        chat = inputs["chat_data"]
+        return {"data.train_files": chat["train"], "data.val_files": chat["val"], "model.path": inputs["model"], "data.train_batch_size": 8,
+                "data.micro_batch_size_per_gpu": 2, "trainer.total_training_steps": 2, "trainer.device": "cpu"}
+    return {**sizes_and_paths(inputs["model"], inputs["rl_data"], inputs["out"]), **EXAMPLE_SIZES,
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size": -1, "actor_rollout_ref.ref.fsdp_config.fsdp_size": -1,
+            "critic.model.path": inputs["model"], "reward.reward_model.model_path": inputs["reward_model"],
+            "reward.custom_reward_function.path": inputs["rl_data"] / "reward.py"}
+
+
+@pytest.mark.parametrize("script", [p for p in sorted(V09_EXAMPLES.rglob("*.sh")) if p not in OTHER_ENGINES], ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_verl_09s_fsdp_examples_pass_check(script, example_inputs, capsys):
+    """Each FSDP script of verl 0.9.0's examples (grpo_trainer, ppo_trainer, sft), its arguments as bash computes
+    them, through `python -m fsdptrain.check` for 2 CPU processes with only paths, model and sizes changed (Hydra's
+    compose and the trainer's reading of every input included): exit 0 with no unknown key; exit 1, in at most
+    three lines naming what is not built, where the script asks for something that is not. The new SFT layout's
+    scripts load as multi-turn chat data, as verl's sft_trainer reads them."""
+    positional = ("8", "/tmp/save") if script.parent.parent.name == "sft" else ()
+    module, args = launch_arguments(script, *positional, env=SCRIPT_ENV)
+    assert module in ("verl.trainer.main_ppo", "verl.trainer.sft_trainer")
+    trainer = "sft" if module == "verl.trainer.sft_trainer" else "grpo"
+    local = {key: value for key, value in example_locals(trainer, example_inputs).items()
+             if "custom_reward_function" not in key or any(arg.startswith(f"{key}=") for arg in args)}  # a path the script gives
+    code = check_main([trainer, "--nproc-per-node", "2", "--device", "cpu", *with_local(args, local)])
+    output = capsys.readouterr()
+    problems = output.err.partition("the run would not start:\n")[2].strip().splitlines()
+    assert "not a key of fsdptrain" not in output.err and "HydraException" not in output.err and "Could not override" not in output.err
+    expected = V09_REFUSED.get(script.name, set())
+    if not expected:
+        assert code == 0 and f"the {trainer} run would start" in output.out, output.err[-3000:]
+        if "multiturn" in script.parent.name:
+            assert "data.multiturn.enable=true" in output.err
+        return
+    assert code == 1 and 1 <= len([p for p in problems if p.strip() and not p.endswith("problems:")]) <= 3, problems
+    assert all(any(key in problem for key in expected) for problem in problems if not problem.endswith("problems:")), problems
 
 
 def test_the_docs_table_lists_every_key():
@@ -479,15 +498,18 @@ def test_verls_multi_turn_example_trains_a_step(tmp_path, tool_model):
     assert "val-core/openai/gsm8k/acc/mean@1" in metrics
 
 
+# The sizes of 2 CPU processes, one rollout engine each, in place of a verl example's own
+EXAMPLE_SIZES = {"trainer.nnodes": 1, "actor_rollout_ref.rollout.tensor_model_parallel_size": 1, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 512,
+                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 512, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 512,
+                 "trainer.logger": "[console]", "trainer.save_freq": -1}
+
+
 def v09_example(script: str, model: str, data: Path, out: str, **local) -> list[str]:
     """A verl 0.9.0 example's arguments, as bash computes them, with the launcher, paths and sizes changed for 2 CPU
     processes (one rollout engine each)."""
     positional = ("2", out) if script.startswith("sft/") else ()
     _, args = launch_arguments(V09_EXAMPLES / script, *positional)
-    sizes = {**sizes_and_paths(model, data, out), "trainer.nnodes": 1, "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
-             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 512, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 512,
-             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 512, "trainer.logger": "[console]", "trainer.save_freq": -1}
-    return with_local(args, {**sizes, **local})
+    return with_local(args, {**sizes_and_paths(model, data, out), **EXAMPLE_SIZES, **local})
 
 
 def console_steps(stdout: str) -> list[tuple[str, str]]:

@@ -94,6 +94,28 @@ class RollCall:
                 "crashed, its node lost) or stopped; that node's log says which")
 
 
+def _reported_key() -> str:
+    return f"fsdptrain/reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def announce_reported() -> None:
+    """The reporter has printed the roll call's outcome: the other ranks may leave (torchrun stops every worker
+    of a node as soon as one exits, so a rank that left first could cut the report off)."""
+    try:
+        _store(STALE_S).set(_reported_key(), "1")
+    except RuntimeError:  # the store is gone: every rank reports for itself
+        pass
+
+
+def await_report(timeout_s: float) -> None:
+    """Wait, at most `timeout_s`, until the reporter has printed (announce_reported)."""
+    try:
+        store = _store(timeout_s)
+        store.wait([_reported_key()], timedelta(seconds=timeout_s))
+    except RuntimeError:  # the store is gone, or the reporter never got there: leave anyway
+        pass
+
+
 def roll_call(stale_s: float = STALE_S) -> RollCall:
     """Which ranks' beats still move: read them all, wait `stale_s`, read them again."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -2,7 +2,8 @@
 (errors.LostRankError) ends a trainer with its message printed once and no traceback, so that the last lines on
 the screen say what to fix. Anything else is a bug and keeps its traceback.
 
-Under torchrun rank 0 (for a lost rank: the lowest rank still there) prints the message. Every failing rank writes
+Under torchrun rank 0 (for a lost rank: the lowest rank still there) prints the message; for a lost rank the
+others leave once it has (torchrun stops a node's workers when one exits). Every failing rank writes
 its error file, which torchrun's summary prints as the failure's traceback: there the message would be printed a
 second time, so the file says where it was printed; only where torchrun redirects the worker's output to its own
 log files (--redirects, --log-dir) does the file hold the message itself. Raised
@@ -22,6 +23,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from fsdptrain.distributed.launcher import under_torchrun
+from fsdptrain.distributed.roll_call import announce_reported, await_report
 from fsdptrain.errors import LostRankError, UserError
 
 LEAVE_FIRST_S = 1.0  # how long rank 0 waits for the other ranks to exit before it fails
@@ -41,6 +43,10 @@ def user_errors_reported() -> Iterator[None]:
         if reporter or not under_torchrun():
             print(message, file=sys.stderr, flush=True)
         write_error_file(message)
+        if isinstance(e, LostRankError) and reporter:
+            announce_reported()
+        elif isinstance(e, LostRankError):
+            await_report(e.report_within_s)
         if everyone and world_size > 1:
             time.sleep(LEAVE_FIRST_S)
         exit_without_teardown(1)

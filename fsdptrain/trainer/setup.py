@@ -23,7 +23,7 @@ from fsdptrain.checkpoint.run_lock import lock_run_directory, release_run_direct
 from fsdptrain.config.shared import FSDPConfig, LanguageModelConfig, LoRASettings, ModelConfig, OptimConfig, TrainerConfig
 from fsdptrain.distributed.launcher import die_with_launcher, fault_point
 from fsdptrain.distributed.mesh import Parallel, init_parallel
-from fsdptrain.distributed.roll_call import roll_call, start_heartbeat, stop_heartbeat
+from fsdptrain.distributed.roll_call import STALE_S, roll_call, start_heartbeat, stop_heartbeat
 from fsdptrain.errors import ConfigError, LostRankError
 from fsdptrain.logging.metrics import MetricLogger, StepLines, progress_bar
 from fsdptrain.models.added_tokens import AddedTokens, TrainedRows
@@ -202,7 +202,7 @@ def lost_ranks_named(run: Run, timeout_s: float, key: str) -> Iterator[None]:
         call = roll_call()
         transport = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0]  # gloo's source line and advice cut
         raise LostRankError(f"step {run.step + 1}: {where} failed: {call.describe()}. Collectives wait {timeout_s:g} s for every rank "
-                            f"({key}). Transport: {transport}", call.reporter) from e
+                            f"({key}). Transport: {transport}", call.reporter, timeout_s + 2 * STALE_S) from e
 
 
 def collective_of(error: BaseException) -> str:
