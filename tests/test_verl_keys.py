@@ -523,7 +523,7 @@ def console_steps(stdout: str) -> list[tuple[str, str]]:
 def test_verl_09s_examples_train_two_steps(tmp_path, tokenizer, rl_data, script):
     """verl 0.9.0's GRPO (KL loss, the reference offloaded between its forwards), PPO (a critic in verl 0.9's
     critic.fsdp section) and reward-model (verl 0.9's reward.reward_model section) examples as bash computes them,
-    vLLM rollouts, on 2 CPU processes with the launcher, paths and sizes changed: two steps each."""
+    vLLM rollouts, on 2 CPU processes with the launcher, paths and sizes changed: check passes, then two steps each."""
     from test_reward_model import save_reward_model
 
     model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
@@ -535,7 +535,9 @@ def test_verl_09s_examples_train_two_steps(tmp_path, tokenizer, rl_data, script)
         local = {"reward.reward_model.model_path": save_reward_model(tmp_path / "rm", tokenizer), "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2}
     out = str(tmp_path / "run")
-    result = torchrun(2, "fsdptrain.grpo_trainer", v09_example(script, model, rl_data, out, **local))
+    args = v09_example(script, model, rl_data, out, **local)
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0  # what a user runs first
+    result = torchrun(2, "fsdptrain.grpo_trainer", args)
     lines = console_steps(result.stdout)
     assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
     key = "critic/vf_loss" if script.startswith("ppo") else "critic/score/mean" if "skyworkrm" in script else "actor/kl_loss"
