@@ -44,13 +44,12 @@ METRICS = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "act
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_llama, rl_data):
-    """Each of RUNS, two steps, its rollouts dumped; GDPO's with two weighted reward sources."""
+    """Each of RUNS, two steps, its rollouts dumped; GDPO's with two weighted entries of the reward function's dict."""
     outs = {}
     for name, overrides in RUNS.items():
         out = str(tmp_path_factory.mktemp(name))
-        if overrides.get("algorithm__adv_estimator") == "gdpo":
-            overrides = {**overrides, "custom_reward_function__path": "null", "reward__sources":
-                         f"[{{name: e, path: {rl_data / 'reward.py'}, function: compute_score}}, {{name: form, function: strict_format, weight: 0.5}}]"}
+        if overrides.get("algorithm__adv_estimator") == "gdpo":  # verl main's spelling: entries of the reward function's dict
+            overrides = {**overrides, "algorithm__gdpo_reward_keys": "[score,length]", "algorithm__gdpo_reward_weights": "[1.0,0.5]"}
         torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__rollout_data_dir=f"{out}/rollouts",
                                                         trainer__test_freq=-1, **overrides))
         outs[name] = out
@@ -107,7 +106,7 @@ def expected_advantages(estimator: str, rows: list[dict]) -> np.ndarray:
     if estimator == "rloo":  # with whiten_advantages=true
         out = whitened(out, lengths)
     if estimator == "gdpo":  # GDPO: each source normalized in its group, weighted, then whitened over the tokens
-        for source, weight in (("source/e", 1.0), ("source/form", 0.5)):
+        for source, weight in (("source/score", 1.0), ("source/length", 0.5)):
             values = np.array([r[source] for r in rows])
             for start in range(0, len(rows), N):
                 v = values[start : start + N]

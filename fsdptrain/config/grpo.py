@@ -349,6 +349,8 @@ class AlgorithmConfig:
     reward_clip: float | None
     advantage_clip: float | None
     whiten_advantages: bool | None
+    gdpo_reward_keys: list[str] | None
+    gdpo_reward_weights: list[float] | None
 
 
 def validate_algorithm(algorithm: AlgorithmConfig) -> None:
@@ -365,6 +367,8 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
         if filter_groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
             raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: groups are "
                               "filtered before the log-probs that the reward's KL penalty needs; use seq_reward")
+    if algorithm.gdpo_reward_keys is not None:
+        validate_gdpo_keys(algorithm)
     correction = algorithm.rollout_correction
     one_of("algorithm.rollout_correction.rollout_is", correction.rollout_is, (None, "token", "sequence"))
     one_of("algorithm.rollout_correction.loss_type", correction.loss_type, ("ppo_clip", "reinforce"))
@@ -374,6 +378,17 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
         raise ConfigError("algorithm.rollout_correction.rollout_rs and rollout_is_batch_normalize apply once per batch, between the "
                           "old policy's pass and the advantages: under bypass_mode there is no such pass (verl applies them "
                           "in each micro-batch's loss, which is not built here)")
+
+
+def validate_gdpo_keys(algorithm: AlgorithmConfig) -> None:
+    keys, weights = algorithm.gdpo_reward_keys, algorithm.gdpo_reward_weights
+    if algorithm.adv_estimator != "gdpo":
+        raise ConfigError(f"algorithm.gdpo_reward_keys names GDPO's reward sources: algorithm.adv_estimator={algorithm.adv_estimator} "
+                          "reads the summed score (set adv_estimator=gdpo, or drop the keys)")
+    if not keys or len(set(keys)) != len(keys) or any(not key or "/" in key for key in keys):
+        raise ConfigError(f"algorithm.gdpo_reward_keys={keys}: list the reward function's entries, each once (without '/')")
+    if weights is not None and len(weights) != len(keys):
+        raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(keys)} algorithm.gdpo_reward_keys")
 
 
 RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")

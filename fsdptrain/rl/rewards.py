@@ -216,6 +216,20 @@ def weighted_sources(sources: Sequence[RewardSource]) -> RewardFn:
     return compute_score
 
 
+def entry_sources(fn: RewardFn, keys: Sequence[str]) -> RewardFn:
+    """verl's GDPO sources (algorithm.gdpo_reward_keys): entries of one reward function's dict, each kept as
+    `source/KEY`; `score` and `acc` stay the function's own."""
+
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+        scores = score_sample(fn, data_source, solution_str, ground_truth, extra_info, "a response")
+        if missing := [key for key in keys if key not in scores]:
+            raise RewardError(f"algorithm.gdpo_reward_keys: the reward function returned no {', '.join(missing)} (its entries: "
+                              f"{', '.join(sorted(scores))}); return a dict with each key")
+        return {**scores, **{f"{SOURCE}{key}": scores[key] for key in keys}}
+
+    return compute_score
+
+
 def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: Any, extra_info: dict | None, sample: str) -> dict:
     """The reward of one sample as a dict with a float `score` (and `acc`: the given one, else score > 0); a failure
     or a result that is not a finite number raises naming the sample, never a silent 0."""

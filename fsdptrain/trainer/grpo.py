@@ -43,7 +43,17 @@ from fsdptrain.rl.reference_sync import mix_policy_into_reference
 from fsdptrain.rl.remote_reward import RemoteReward
 from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
 from fsdptrain.rl.reward_shaping import RewardShaping, RunningMoments, clip_advantages
-from fsdptrain.rl.rewards import SOURCE, BatchSource, RewardFn, Scorer, load_reward_function, load_reward_sources, no_reward, weighted_sources
+from fsdptrain.rl.rewards import (
+    SOURCE,
+    BatchSource,
+    RewardFn,
+    Scorer,
+    entry_sources,
+    load_reward_function,
+    load_reward_sources,
+    no_reward,
+    weighted_sources,
+)
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine
 from fsdptrain.rl.rollout_correction import rollout_agreement
@@ -332,6 +342,8 @@ def build_reward_function(config: GRPOConfig, plan: GRPOPlan) -> RewardFn:
     model or server scores alone."""
     if config.reward.sources:
         return weighted_sources(load_reward_sources(config.reward.sources))
+    if config.algorithm.gdpo_reward_keys is not None:
+        return entry_sources(load_reward_function(plan.reward_function.path, plan.reward_function.name), config.algorithm.gdpo_reward_keys)
     if (config.reward_model.enable or config.reward_model.remote_rm_url) and not plan.reward_function.path:
         return no_reward
     return load_reward_function(plan.reward_function.path, plan.reward_function.name)

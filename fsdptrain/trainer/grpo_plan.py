@@ -227,6 +227,9 @@ def check_critic_batches(config: GRPOConfig) -> None:
 
 
 def check_one_reward_definition(config: GRPOConfig) -> None:
+    if config.algorithm.gdpo_reward_keys is not None and (config.reward.sources or not resolve_reward_function(config).path):
+        raise ConfigError("algorithm.gdpo_reward_keys names entries of the reward function's dict: give the function "
+                          "(reward.custom_reward_function.path) and no reward.sources")
     if config.reward.sources and (config.custom_reward_function.path or config.reward.custom_reward_function.path):
         raise ConfigError("reward.sources with a custom_reward_function.path: list the function among the sources "
                           "({name: ..., path: FILE, function: NAME, weight: ...})")
@@ -246,10 +249,12 @@ def resolve_reward_function(config: GRPOConfig) -> CustomRewardConfig:
 
 
 def reward_sources(config: GRPOConfig) -> tuple[tuple[str, float], ...]:
-    """Each reward source's name and weight, in the order the scores keep them: reward.sources, the reward model,
-    the remote server."""
-    settings = config.reward_model
+    """Each reward source's name and weight, in the order the scores keep them: reward.sources (or the reward
+    function's entries that algorithm.gdpo_reward_keys names), the reward model, the remote server."""
+    settings, keys = config.reward_model, config.algorithm.gdpo_reward_keys
     sources = [(source.name, source.weight) for source in config.reward.sources]
+    if keys is not None:
+        sources = list(zip(keys, config.algorithm.gdpo_reward_weights or [1.0] * len(keys), strict=True))
     sources += [("reward_model", settings.weight)] if settings.enable else []
     sources += [("remote", settings.remote.weight)] if settings.remote_rm_url else []
     return tuple(sources)
@@ -261,7 +266,7 @@ def check_decoupled_sources(config: GRPOConfig) -> None:
     algorithm = config.algorithm
     if algorithm.adv_estimator != "gdpo":
         return
-    if reward_sources(config) and not config.reward.sources:
+    if reward_sources(config) and not (config.reward.sources or algorithm.gdpo_reward_keys):
         raise ConfigError("algorithm.adv_estimator=gdpo normalizes each reward source on its own: with the reward model or the remote "
                           "server as sources, name the rule-based reward in reward.sources too (it is empty)")
     shaping = {"algorithm.use_kl_in_reward": algorithm.use_kl_in_reward, "reward_model.overlong_buffer.enable": config.reward_model.overlong_buffer.enable,
