@@ -88,8 +88,8 @@ def composed(config_name: str, overrides: list[str]):
 
 def check(trainer: str, overrides: list[str], world: World) -> int:
     """0 and the run's sizes where the run would start; else 1 and its problems (printed)."""
-    kept, problems = translate(overrides, trainer, world.world_size)
     try:
+        kept, problems = translate(overrides, trainer, world.world_size)
         sizes = (grpo_sizes if trainer == "grpo" else sft_sizes)(kept, problems, world)
     except (UserError, HydraException) as e:
         print(f"fsdptrain.check: the run would not start:\n{e}", file=sys.stderr)

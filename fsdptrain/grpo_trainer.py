@@ -28,10 +28,11 @@ if __name__ == "__main__":
         print(trainer_help("grpo"))
         sys.exit(0)
     from fsdptrain.distributed.spawn import launch_workers_if_asked
-    from fsdptrain.trainer.report import exit_without_teardown
+    from fsdptrain.trainer.report import exit_without_teardown, user_errors_reported
 
     if (exit_code := launch_workers_if_asked("fsdptrain.grpo_trainer", sys.argv[1:])) is not None:
         exit_without_teardown(exit_code)
-    sys.argv, command_line_problems = translate_argv(sys.argv, "grpo")
+    with user_errors_reported():
+        sys.argv, command_line_problems = translate_argv(sys.argv, "grpo")
     main()
     exit_without_teardown(0)

@@ -319,10 +319,13 @@ SCRIPT_ENV = {"INFER_BACKEND": "vllm", "HDFS_ROOT": "/hdfs", "DATA_ROOT": "/data
 
 @pytest.mark.parametrize("script", [p for p in OTHER_ENGINES if f"{p.parent.parent.name if p.parent.parent.name == 'sft' else p.parent.name}/{p.name}"
                                     not in NOT_LAUNCHED], ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_verl_09s_examples_for_other_engines_are_refused_in_three_lines_naming_the_engine(script):
+def test_verl_09s_examples_for_other_engines_are_refused_in_three_lines_naming_the_engine(script, capsys):
+    """Through `python -m fsdptrain.check`, as a user runs it first: exit 1, the engine named in at most three lines."""
     positional = ("8", "/tmp/save") if script.parent.parent.name == "sft" else ()
     module, args = launch_arguments(script, *positional, env=SCRIPT_ENV)
-    _, problems = translate(args, "sft" if module == "verl.trainer.sft_trainer" else "grpo", 8)
+    assert check_main(["sft" if module == "verl.trainer.sft_trainer" else "grpo", "--nproc-per-node", "8", *args]) == 1
+    problems = [line for line in capsys.readouterr().err.partition("the run would not start:\n")[2].strip().splitlines()
+                if not line.endswith("problems:")]
     assert 1 <= len(problems) <= 3, problems
     assert any(engine in line for line in problems for engine in ("Megatron", "VeOmni", "AutoModel")), problems
 
@@ -438,19 +441,19 @@ def test_verls_lora_sft_example_trains_two_steps(tmp_path, tokenizer):
 
 
 MULTI_TURN = EXAMPLES / "run_qwen2.5-3b_gsm8k_multiturn.sh"
-# The two keys the script takes from its --config-name file (examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml,
-# whose defaults are verl's own YAML), given on the command line with the launcher.
-MULTI_TURN_CONFIG = {"actor_rollout_ref.rollout.multi_turn.enable": True, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 5}
+# The script's --config-path and --config-name, its folder here: the multi-turn keys come from that YAML
+MULTI_TURN_CONFIG = [f"--config-path={EXAMPLES / 'sglang_multiturn_config'}", "--config-name=gsm8k_multiturn_grpo"]
 
 
 def multi_turn_local(model: str, data: Path, out: str) -> dict[str, object]:
-    return {**sizes_and_paths(model, data, out), **MULTI_TURN_CONFIG, "data.max_prompt_length": 64, "data.max_response_length": 64,
+    return {**sizes_and_paths(model, data, out), "data.max_prompt_length": 64, "data.max_response_length": 64,
             "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.2, "trainer.total_training_steps": 1,
             "trainer.test_freq": 1, "actor_rollout_ref.rollout.multi_turn.tool_config_path": EXAMPLES / "gsm8k_tool_config.yaml"}
 
 
 def test_verls_multi_turn_example_loads_with_its_tool(tmp_path, capsys):
-    overrides, problems = translate(with_local(script_overrides(MULTI_TURN), multi_turn_local("/models/x", tmp_path, str(tmp_path))), "grpo", 2)
+    overrides, problems = translate([*MULTI_TURN_CONFIG, *with_local(script_overrides(MULTI_TURN), multi_turn_local("/models/x", tmp_path, str(tmp_path)))],
+                                    "grpo", 2)
     assert problems == []
     notes = capsys.readouterr().err
     assert "actor_rollout_ref.rollout.name=sglang_async is actor_rollout_ref.rollout.name=vllm here" in notes and "data.return_raw_chat" in notes
@@ -489,7 +492,7 @@ def test_verls_multi_turn_example_trains_a_step(tmp_path, tool_model):
                  "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "408"}}}}} for i in range(8)]
         pq.write_table(pa.Table.from_pylist(rows), data / f"rl_{split}.parquet")
     out = str(tmp_path / "run")
-    result = torchrun(2, "fsdptrain.grpo_trainer", with_local(script_overrides(MULTI_TURN), multi_turn_local(tool_model, data, out)))
+    result = torchrun(2, "fsdptrain.grpo_trainer", [*MULTI_TURN_CONFIG, *with_local(script_overrides(MULTI_TURN), multi_turn_local(tool_model, data, out))])
     assert "tensor_parallel_size=2" in result.stdout + result.stderr
     (line,) = re.findall(r"^step 1 \| (?!plots:)(.*)$", result.stdout, re.MULTILINE)
     metrics = dict(item.rsplit(" ", 1) for item in line.split(" | "))
@@ -559,3 +562,53 @@ def test_verl_09s_new_layout_sft_example_trains_two_steps(tmp_path, tiny_llama):
     result = torchrun(2, "fsdptrain.sft_trainer", with_local(args, local))
     assert "data.multiturn.enable=true" in result.stderr
     assert [int(step) for step, _ in console_steps(result.stdout)] == [1, 2], result.stdout[-3000:]
+
+
+def test_verls_deletions_remove_what_can_be_removed(capsys):
+    """`~key`: a key of an open mapping is removed from it; a key that may be null becomes null; one that may not
+    keeps fsdptrain's default; a refused feature's key has nothing to remove; an unknown one is named."""
+    overrides, problems = translate(["+data.apply_chat_template_kwargs.effort=high", "~data.apply_chat_template_kwargs.effort",
+                                     "~algorithm.rollout_correction.rollout_is", "~actor_rollout_ref.actor.optim.lr",
+                                     "~actor_rollout_ref.actor.megatron.param_offload", "~actor_rollout_ref.actor.optim.lrr"], "grpo", 2)
+    assert overrides == ["++data.apply_chat_template_kwargs.effort=high", "~data.apply_chat_template_kwargs.effort",
+                         "algorithm.rollout_correction.rollout_is=null"]
+    assert problems == ["~actor_rollout_ref.actor.optim.lrr: not a key of fsdptrain's grpo_trainer.yaml (did you mean actor_rollout_ref.actor.optim.lr?)"]
+    notes = capsys.readouterr().err
+    assert "~actor_rollout_ref.actor.optim.lr changes nothing here: actor_rollout_ref.actor.optim.lr takes no null" in notes
+    assert "~actor_rollout_ref.actor.megatron.param_offload changes nothing here" in notes
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        config = load_grpo_config(compose(config_name="grpo_trainer", overrides=[*overrides, "data.train_files=a.parquet", "actor_rollout_ref.model.path=/m"]))
+    assert config.data.apply_chat_template_kwargs == {} and config.algorithm.rollout_correction.rollout_is is None
+
+
+def test_a_users_yaml_in_verls_layout(tmp_path):
+    """--config-path/--config-name (either spelling, with `=` or not): the file's keys come before the command line's,
+    which wins, as in Hydra; its `defaults` name verl's trainer config, or pick a config group; verl's own trainer
+    configs, named relative to verl's config folder, are the defaults here, or refused by name (Megatron's)."""
+    (tmp_path / "mine.yaml").write_text("hydra:\n  searchpath: [file://verl/trainer/config]\ndefaults:\n  - ppo_trainer\n  - _self_\n"
+                                        "data:\n  max_prompt_length: 512\n  return_raw_chat: True\n  apply_chat_template_kwargs: {effort: 'a b'}\n"
+                                        "actor_rollout_ref:\n  actor:\n    optim: {lr: 3e-6}\n  rollout:\n    name: sglang\n    n: 4\n")
+    for flags in ([f"--config-path={tmp_path}", "--config-name=mine"], ["-cp", str(tmp_path), "-cn", "mine.yaml"]):
+        overrides, problems = translate([*flags, "actor_rollout_ref.rollout.n=8"], "grpo", 2)
+        assert problems == []
+        assert overrides == ["data.max_prompt_length=512", "++data.apply_chat_template_kwargs.effort='a b'", "actor_rollout_ref.actor.optim.lr=3e-6",
+                             "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.n=8"]
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            config = load_grpo_config(compose(config_name="grpo_trainer", overrides=[*overrides, "data.train_files=a.parquet", "actor_rollout_ref.model.path=/m"]))
+        assert (config.data.max_prompt_length, config.actor_rollout_ref.actor.optim.lr, config.actor_rollout_ref.rollout.n) == (512, 3e-6, 8)
+        assert config.data.apply_chat_template_kwargs == {"effort": "a b"}
+    (tmp_path / "sft.yaml").write_text("defaults:\n  - sft_trainer\n  - model: hf_model\n  - _self_\ndata:\n  max_length: 256\n")
+    overrides, problems = translate([f"--config-path={tmp_path}", "--config-name=sft"], "sft", 2)
+    assert problems == [] and overrides == ["data.max_length=256"]
+    assert translate(["--config-path=config", "--config-name=ppo_trainer"], "grpo", 2) == ([], [])
+    with pytest.raises(ConfigError, match=r"2 problems:\n  --config-name=ppo_megatron_trainer.yaml: verl's Megatron trainer config"):
+        translate(["--config-path=config", "--config-name=ppo_megatron_trainer.yaml", "actor_rollout_ref.actor.megatron.param_offload=True"], "grpo", 2)
+    _, problems = translate([f"--config-path={tmp_path}", "--config-name=absent"], "grpo", 2)
+    assert problems == [f"--config-name=absent: no file {tmp_path}/absent.yaml (--config-path={tmp_path})"]
+
+
+def test_check_reads_a_users_yaml(tmp_path, tiny_llama, rl_data, capsys):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n    n: 3\n")
+    args = with_local([], {**sizes_and_paths(tiny_llama, rl_data, str(tmp_path / "out")), "data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2})
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", "--config-path", str(tmp_path), "--config-name", "mine", *args]) == 0
+    assert "2 prompts x 3 responses" in capsys.readouterr().out

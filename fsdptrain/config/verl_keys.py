@@ -6,14 +6,16 @@ closest known key.
 """
 
 import difflib
+import importlib
 import os
 import sys
 from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from fsdptrain.config.base import defaults
+from fsdptrain.config.base import defaults, raise_problems
 
 TABLE = os.path.join(os.path.dirname(__file__), "verl_keys.yaml")
 DEFAULTS = os.path.join(os.path.dirname(__file__), "verl_defaults.yaml")  # the shared keys whose default is not verl's
@@ -90,7 +92,9 @@ def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[s
     world), `unknown`, `passed` (not a key=value: Hydra's own syntax)."""
     key, sep, value = override.partition("=")
     key = key.lstrip("+")  # verl's scripts add keys its own schema lacks with `+key=`; here every key is checked alike
-    if not sep or key.startswith(("~", "hydra.", "-")):
+    if key.startswith("~"):
+        return deletion(key[1:], trainer, leaves, open_mappings, table)
+    if not sep or key.startswith(("hydra.", "-")):
         return "passed", "", override
     entry = entry_of(key, table)
     renames = {str(k): v for k, v in (entry or {}).get("values", {}).items()}  # by text: a value may be a mapping ({})
@@ -120,6 +124,35 @@ def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[s
     return "left off", "a refused feature's key, at a value that asks for nothing unbuilt", None
 
 
+def deletion(key: str, trainer: str, leaves: set[str], open_mappings: set[str], table: dict[str, dict[str, Any]]) -> tuple[str, str, str | None]:
+    """verl's `~key` (or `~key=value`): the key's value removed, so that the code's own default applies. Here a key
+    of a mapping that takes any keys is removed from it; a key that may be null becomes null; one that may not keeps
+    fsdptrain's default; a key of verl's that asks for nothing here has nothing to remove."""
+    if any(key.startswith(m + ".") for m in open_mappings):
+        return "key", "", f"~{key}"
+    entry = entry_of(key, table)
+    if key not in leaves and entry is not None and "mapped" in entry:
+        key = entry["mapped"]
+    if key in leaves:
+        if takes_null(trainer, key):
+            return "key", "", f"{key}=null"
+        return "accepted", f"changes nothing here: {key} takes no null, so fsdptrain's default stays", None
+    if entry is not None:
+        return "accepted", "changes nothing here: the key asks for nothing built here, so there is nothing to remove", None
+    close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
+    return "unknown", f"not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""), None
+
+
+def takes_null(trainer: str, key: str) -> bool:
+    """Whether the trainer's schema lets `key` be null."""
+    module, name = {"grpo": ("fsdptrain.config.grpo", "GRPOConfig"), "sft": ("fsdptrain.config.sft", "SFTConfig")}[trainer]
+    try:
+        OmegaConf.merge(OmegaConf.structured(getattr(importlib.import_module(module), name)), OmegaConf.from_dotlist([f"{key}=null"]))
+    except OmegaConfBaseException:
+        return False
+    return True
+
+
 def key_states(overrides: list[str], trainer: str) -> list[tuple[str, str, str, str | None]]:
     """Each override's (key=value, state, meaning, override for Hydra), as `classify` gives them."""
     leaves, open_mappings = known_keys(trainer)
@@ -127,11 +160,80 @@ def key_states(overrides: list[str], trainer: str) -> list[tuple[str, str, str, 
     return [(override, *classify(override, trainer, leaves, open_mappings, table)) for override in overrides]
 
 
+CONFIG_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
+# verl's own trainer configs, which a script may name with --config-name (its --config-path relative to verl/trainer)
+VERL_CONFIGS = {"ppo_trainer": None, "sft_trainer": None, "sft_trainer_engine": None,
+                "ppo_megatron_trainer": "verl's Megatron trainer config: the Megatron engine is not built; train with FSDP (verl's ppo_trainer)"}
+
+
+def config_file(args: list[str]) -> tuple[list[str], list[str], list[str], list[str]]:
+    """verl's `--config-path DIR --config-name NAME` (or `-cp`, `-cn`, with `=` or not): a user's YAML in verl's
+    layout (a `defaults` list naming verl's trainer config, `hydra.searchpath`, then keys), read as overrides that
+    come before the command line's, so that the command line wins as in Hydra. Returns (the file's overrides, the
+    other arguments, problems, an engine that is not built). A relative DIR is the working directory's, or else verl's own config folder, whose
+    trainer configs are this trainer's defaults."""
+    given, rest = {}, []
+    items = iter(args)
+    for arg in items:
+        flag, sep, value = arg.partition("=")
+        if flag in CONFIG_FLAGS:
+            given[CONFIG_FLAGS[flag]] = value if sep else next(items, "")
+        else:
+            rest.append(arg)
+    if "name" not in given:
+        return [], rest, [] if "path" not in given else ["--config-path needs --config-name: the YAML file under it to read"], []
+    name = given["name"].removesuffix(".yaml")
+    path = os.path.join(given.get("path", "."), f"{name}.yaml")
+    if not os.path.isfile(path):
+        if name in VERL_CONFIGS and not os.path.isabs(given.get("path", "")):
+            reason = VERL_CONFIGS[name]
+            return [], rest, [], [f"--config-name={given['name']}: {reason}"] if reason else []
+        return [], rest, [f"--config-name={given['name']}: no file {path} (--config-path={given.get('path', '')})"], []
+    with open(path) as f:
+        document = yaml.safe_load(f) or {}
+    overrides = []
+    for entry in document.pop("defaults", []):  # verl's trainer config and _self_ are the defaults here; a group picks its option
+        if isinstance(entry, dict):
+            overrides += [f"{group}={option}" for group, option in entry.items()]
+    document.pop("hydra", None)
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                overrides.append(f"{prefix}{key}={override_value(value)}")
+
+    walk(document, "")
+    return overrides, rest, [], []
+
+
+def override_value(value: Any) -> str:
+    """A YAML value as a Hydra override's text: strings quoted unless they are plain words, lists and mappings as
+    Hydra writes them."""
+    if isinstance(value, list):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int | float):
+        return repr(value)
+    text = str(value)
+    if text and all(c.isalnum() or c in "_-./" for c in text) and hydra_value(text) == text:
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list[str], list[str]]:
     """The overrides as fsdptrain takes them, and the problems of those it cannot take (unknown keys with the
     closest known one, refused keys with what to use instead, a launch shape that is not the world's): the config's
-    loading reports them with its own, all in one error."""
-    kept, problems, shape, implied = [], [], {}, {}
+    loading reports them with its own, all in one error. A command line for an engine that is not built raises
+    that alone (ConfigError), in at most three lines. A user's YAML in verl's layout (--config-path, --config-name)
+    comes first."""
+    from_file, overrides, problems, engines = config_file(overrides)
+    overrides = [*from_file, *overrides]
+    kept, shape, implied = [], {}, {}
     refused: dict[str, list[tuple[str, str]]] = {}  # by reason: (the table's entry, key=value) of each refused override
     table = verl_table(trainer)
     for override, state, meaning, taken in key_states(overrides, trainer):
@@ -145,14 +247,14 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
         if state in ("value renamed", "mapped"):
             note(meaning)
         elif state == "accepted":
-            note(f"{key}={value} {meaning}")
+            note(f"{override if key.startswith('~') else f'{key}={value}'} {meaning}")
         elif state == "unknown":
             problems.append(f"{key}: {meaning}")
         elif state == "refused":
             refused.setdefault(meaning, []).append((entry_name(key, table), f"{key}={value}"))
         elif state == "launch shape":
             shape[key.rsplit(".", 1)[1]] = hydra_value(value)
-    engines = []  # a command line for an engine that is not built: that alone is its problem
+    # a command line for an engine that is not built: that alone is its problem
     for meaning, overrides in refused.items():  # a refused backend's dozen keys are one problem, not a dozen
         names = sorted({name for name, _ in overrides})
         line = f"{overrides[0][1]}: {meaning}" if len(overrides) == 1 else f"{', '.join(names)} ({len(overrides)} keys): {meaning}"
@@ -167,9 +269,11 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
         if not (isinstance(nodes, int) and isinstance(per_node, int)) or nodes * per_node != world_size:
             problems.append(f"trainer.nnodes ({nodes}) x trainer.n_gpus_per_node ({per_node}) must equal the number of processes "
                             f"torchrun started ({world_size}): launch with --nnodes={nodes} --nproc_per_node={per_node}, or fix the keys")
-    if engines and problems:
-        engines.append(f"({len(problems)} other problem(s) of this command line left out: they follow from the engine it asks for)")
-    return kept, engines or problems
+    if engines:  # told alone, before any config is read: the rest of the command line follows from the engine
+        if problems:
+            engines.append(f"({len(problems)} other problem(s) of this command line left out: they follow from the engine it asks for)")
+        raise_problems(engines)
+    return kept, problems
 
 
 def translate_argv(argv: list[str], trainer: str) -> tuple[list[str], list[str]]:

@@ -1,7 +1,7 @@
 # From verl (https://github.com/volcengine/verl), examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh at commit
 # 0719d1f2ac263fab1ac775e479d6ce0203303a76, unchanged below this header; Apache-2.0. tests/test_verl_keys.py runs
-# it through fsdptrain with only the launcher, paths and sizes changed (its --config-name file's two multi-turn keys
-# given on the command line, and the tool YAML's class_name pointing at the port in gsm8k_tool.py).
+# it through fsdptrain with only the launcher, paths and sizes changed (its --config-path the folder here that holds
+# its --config-name file, sglang_multiturn_config/, and the tool YAML's class_name pointing at the port in gsm8k_tool.py).
 # run on 8xH100
 # make sure your current working directory is the root of the project
 
