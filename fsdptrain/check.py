@@ -43,10 +43,10 @@ def processes(world: World, sp: int) -> str:
 
 def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[str]:
     from fsdptrain.trainer.grpo import read_grpo_inputs
-    from fsdptrain.trainer.grpo_plan import read_grpo_config
+    from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
 
     config = read_grpo_config(composed("grpo_trainer", overrides), problems, world)
-    inputs = read_grpo_inputs(config, world)
+    inputs = read_grpo_inputs(resolve_grpo(config, world))
     plan, data, actor = inputs.plan, config.data, config.actor_rollout_ref.actor
     n = plan.request.n
     dp = world.world_size // plan.sp_size
@@ -66,10 +66,10 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
 
 def sft_sizes(overrides: list[str], problems: list[str], world: World) -> list[str]:
     from fsdptrain.trainer.sft import read_sft_inputs
-    from fsdptrain.trainer.sft_plan import read_sft_config
+    from fsdptrain.trainer.sft_plan import plan_sft, read_sft_config
 
     config = read_sft_config(composed("sft_trainer", overrides), problems, world)
-    inputs = read_sft_inputs(config)
+    inputs = read_sft_inputs(plan_sft(config))
     data, sp = config.data, config.ulysses_sequence_parallel_size
     dp = world.world_size // sp
     return [

@@ -15,12 +15,14 @@ command_line_problems: list[str] = []  # verl keys it cannot take, reported with
 
 @hydra.main(config_path="config", config_name="grpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
+    from fsdptrain.distributed.mesh import world_from_environment
     from fsdptrain.trainer.grpo import run_grpo
-    from fsdptrain.trainer.grpo_plan import read_grpo_config
+    from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
     from fsdptrain.trainer.report import user_errors_reported
 
     with user_errors_reported():
-        run_grpo(read_grpo_config(cfg, command_line_problems))
+        config = read_grpo_config(cfg, command_line_problems)
+        run_grpo(resolve_grpo(config, world_from_environment(config.trainer.device)))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ command_line_problems: list[str] = []  # verl keys it cannot take, reported with
 def main(cfg: DictConfig) -> None:
     from fsdptrain.trainer.report import user_errors_reported
     from fsdptrain.trainer.sft import run_sft
-    from fsdptrain.trainer.sft_plan import read_sft_config
+    from fsdptrain.trainer.sft_plan import plan_sft, read_sft_config
 
     with user_errors_reported():
-        run_sft(read_sft_config(cfg, command_line_problems))
+        run_sft(plan_sft(read_sft_config(cfg, command_line_problems)))
 
 
 if __name__ == "__main__":

@@ -431,7 +431,7 @@ def test_a_row_naming_no_registered_loop_is_refused_naming_the_row(tmp_path, tin
                                                                                  f"actor_rollout_ref.model.path={tiny_llama}"]), world=world)
     plan = plan_grpo(config, world, pad_id=2)
     with pytest.raises(ConfigError, match=r"data.train_files row 2: agent_name='react_agent' is not a registered agent loop \(single_turn_agent\|tool_agent\)"):
-        load_rl_prompts(config, plan, [str(tmp_path / "train.parquet")], tokenizer, "data.train_files", {}, {})
+        load_rl_prompts(plan.data, plan.default_agent_loop, [str(tmp_path / "train.parquet")], tokenizer, "data.train_files", {}, {})
     pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "train.parquet")
-    prompts = load_rl_prompts(config, plan, [str(tmp_path / "train.parquet")], tokenizer, "data.train_files", {}, {})
+    prompts = load_rl_prompts(plan.data, plan.default_agent_loop, [str(tmp_path / "train.parquet")], tokenizer, "data.train_files", {}, {})
     assert [p.agent_name for p in prompts] == ["single_turn_agent", "single_turn_agent"]  # the default where the row names none

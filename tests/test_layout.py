@@ -1,6 +1,6 @@
 """The package's shape, as docs/architecture.md states it: no import cycle between modules nor between packages,
 the config at the bottom (it imports nothing of fsdptrain's above it, and no torch), the RL components take
-explicit settings (no rl module reads a trainer's config), names are checked against registries that their
+explicit settings (no rl module reads a trainer's config), no function below the plans takes the whole config, names are checked against registries that their
 modules fill, and no function grows past ~60 lines without a reason written beside it."""
 
 import ast
@@ -102,6 +102,29 @@ def test_rl_components_do_not_read_the_config():
         if name.startswith("fsdptrain.rl"):
             config_imports = {m for m in imports(tree, set(trees)) if m.startswith("fsdptrain.config.") and m != "fsdptrain.config.base"}
             assert not config_imports, f"{name} imports {config_imports}: pass it explicit settings instead"
+
+
+# Where the whole config may be read: the config package, each trainer's plan (the one resolver of a run), and the
+# entry points that hand the plan on (the trainers' main, check)
+RESOLVERS = ("fsdptrain.config", "fsdptrain.trainer.grpo_plan", "fsdptrain.trainer.sft_plan", "fsdptrain.grpo_trainer",
+             "fsdptrain.sft_trainer", "fsdptrain.check")
+
+
+def test_no_function_below_the_plan_takes_the_whole_config():
+    """Below the entry points and the plans, every function takes the plan or a section of it, never GRPOConfig or
+    SFTConfig: a run is resolved in one place."""
+    for name, tree in modules().items():
+        if name.startswith(RESOLVERS):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for arg in [*node.args.args, *node.args.kwonlyargs]:
+                    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                    assert not re.search(r"\b(GRPOConfig|SFTConfig)\b", annotation), (
+                        f"{name}.{node.name} takes {arg.arg}: {annotation}; give it the plan's fields (trainer/*_plan.py)")
+            elif isinstance(node, ast.ImportFrom) and node.module in ("fsdptrain.config.grpo", "fsdptrain.config.sft"):
+                names = {alias.name for alias in node.names}
+                assert not names & {"GRPOConfig", "SFTConfig"}, f"{name} imports the whole config ({names}): it should take the plan"
 
 
 def test_long_functions_say_why():

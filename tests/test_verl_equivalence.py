@@ -327,3 +327,40 @@ def test_rejection_thresholds_read_as_verls(options, thresholds):
             assert (low, high) == (None, bounds["upper"])
     for threshold in (2.0, "1.5", "0.5_2.0"):
         assert importance_bounds(threshold) == helper._parse_rollout_is_threshold(threshold)
+
+
+def multi_turn_batch(seed: int):
+    """padded_batch with a multi-turn response's holes: the tool's tokens (positions 2 and 3 of the longer rows) are
+    not the policy's, mask 0 inside the response."""
+    log_probs, old, advantages, mask = padded_batch(seed)
+    mask[mask.sum(-1) > 4, 2:4] = 0.0
+    return log_probs, old, advantages, mask
+
+
+@pytest.mark.parametrize("is_level", ["token", "sequence"])
+@pytest.mark.parametrize("agg_mode", AGG_MODES)
+@pytest.mark.parametrize("loss_mode", [mode for mode in VERL_LOSSES if mode != "bypass_mode"])
+def test_every_policy_loss_with_multi_turn_masks_and_is_weights_equals_verls(loss_mode, agg_mode, is_level):
+    """Each loss on multi-turn masks (holes inside responses, an empty row) under rollout correction's decoupled IS
+    weights, per token or one per sequence, as the actor applies them (core_algos.is_weighted), against verl's loss
+    given the same rollout_is_weights: values and gradients."""
+    settings = PolicyLossSettings(**{"clip_low": 0.2, "clip_high": 0.28, **SETTINGS.get(loss_mode, {})})
+    for seed in range(3):
+        log_probs, old, advantages, mask = multi_turn_batch(seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        draw = torch.rand(mask.shape, generator=g) if is_level == "token" else torch.rand(mask.shape[0], 1, generator=g).expand_as(mask)
+        weights = (draw * 1.5 + 0.25) * mask
+        ours_input, verl_input = log_probs.clone().requires_grad_(), log_probs.clone().requires_grad_()
+        tokens = ours_tokens(ours_input, old, advantages, mask)
+        torch.manual_seed(seed)
+        per_token, _, _ = core_algos.POLICY_LOSSES[loss_mode](tokens, settings)
+        per_token = core_algos.is_weighted(per_token, weights.flatten(), loss_mode, tokens)
+        mode = core_algos.POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
+        rows = core_algos.loss_rows((mask.sum(-1) > 0).tolist(), loss_mode)
+        loss = core_algos.agg_loss(per_token, tokens.mask, tokens.sequence_tokens, mode, float(mask.sum()), rows, mask.shape[1])
+        torch.manual_seed(seed)
+        verl_loss, _ = verl.get_policy_loss_fn(loss_mode)(old, verl_input, advantages, mask, agg_mode, verl_config(settings, loss_mode), weights)
+        torch.testing.assert_close(loss, verl_loss, **TOLERANCE)
+        loss.backward()
+        verl_loss.backward()
+        torch.testing.assert_close(ours_input.grad, verl_input.grad, **TOLERANCE)

@@ -67,37 +67,44 @@ def scaled(values: torch.Tensor, mean: torch.Tensor | float, std: torch.Tensor |
     return centered / torch.where(std > FLAT, std, torch.ones_like(std))
 
 
-@dataclass
-class RewardShaping:
-    """algorithm.reward_norm / reward_norm_minus_mean / reward_shift / reward_clip: the sequence rewards a step trains on, from its
-    scores; `running` holds the running moments (checkpointed with the run's state)."""
+@dataclass(frozen=True)
+class ShapingSettings:
+    """algorithm.reward_norm / reward_norm_minus_mean / reward_shift / reward_clip, as RewardShaping applies them."""
 
     norm: str | None
     minus_mean: bool
     divide: bool  # by the std (all but ROLL's reward_shift, which only subtracts the mean)
     clip: float | None
+
+
+@dataclass
+class RewardShaping:
+    """algorithm.reward_norm / reward_norm_minus_mean / reward_shift / reward_clip: the sequence rewards a step trains on, from its
+    scores; `running` holds the running moments (checkpointed with the run's state)."""
+
+    settings: ShapingSettings
     running: RunningMoments
 
     def __call__(self, scores: torch.Tensor, group_ids: torch.Tensor, parallel: Parallel) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's rewards (each response's group in `group_ids`) normalized and clipped, with the metrics."""
-        rewards, metrics = scores.double(), {}
-        if self.norm == "batch":
+        rewards, metrics, settings = scores.double(), {}, self.settings
+        if settings.norm == "batch":
             count, mean, m2 = batch_moments(rewards, parallel)
-            rewards = scaled(rewards, mean, math.sqrt(m2 / max(count, 1.0)), self.minus_mean, self.divide)
-        elif self.norm == "group":
+            rewards = scaled(rewards, mean, math.sqrt(m2 / max(count, 1.0)), settings.minus_mean, settings.divide)
+        elif settings.norm == "group":
             normalized = torch.empty_like(rewards)
             for group in group_ids.unique():
                 members = rewards[group_ids == group]
-                normalized[group_ids == group] = scaled(members, members.mean(), members.std(unbiased=False), self.minus_mean, self.divide)
+                normalized[group_ids == group] = scaled(members, members.mean(), members.std(unbiased=False), settings.minus_mean, settings.divide)
             rewards = normalized
-        elif self.norm == "running":
+        elif settings.norm == "running":
             self.running.merge(*batch_moments(rewards, parallel))
-            rewards = scaled(rewards, self.running.mean, self.running.std, self.minus_mean, self.divide)
+            rewards = scaled(rewards, self.running.mean, self.running.std, settings.minus_mean, settings.divide)
             metrics.update({"critic/reward_running_mean": self.running.mean, "critic/reward_running_std": self.running.std})
-        if self.clip is not None:
-            clipped, count = all_reduce_sum([float((rewards.abs() > self.clip).sum()), float(rewards.numel())], parallel.device, parallel.dp_group)
+        if settings.clip is not None:
+            clipped, count = all_reduce_sum([float((rewards.abs() > settings.clip).sum()), float(rewards.numel())], parallel.device, parallel.dp_group)
             metrics["critic/reward_clip_frac"] = clipped / max(count, 1.0)
-            rewards = rewards.clamp(-self.clip, self.clip)
+            rewards = rewards.clamp(-settings.clip, settings.clip)
         return rewards.to(scores.dtype), metrics
 
     def state_dict(self) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """GRPO-family training, and PPO with a critic, on the shared set-up. A step: draw and score groups of responses,
 old and reference log-probs, the critic's values (PPO), rewards and advantages, the critic's update (PPO), the
 clipped policy update over mini-batches, the new weights to the rollout engine. Each line of `GRPOStep.__call__`
-is a call into one of the rl/ components, which this file builds from the config once.
+is a call into one of the rl/ components, which this file builds from the plan (trainer/grpo_plan.py) once.
 
 Each data-parallel rank generates for whole prompts (train_batch_size / dp of them, `rollout.n` responses each),
 so a prompt's group of responses sits on one rank (the ranks of a Ulysses group share theirs and each trains on a
@@ -11,17 +11,16 @@ that every loss divides by, the metrics) are summed over the data-parallel group
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from transformers import AutoModelForTokenClassification, PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdptrain.config.grpo import CriticConfig, GRPOConfig, RefFSDPConfig, RewardModelConfig
-from fsdptrain.config.shared import FSDPConfig, ModelConfig
+from fsdptrain.config.grpo import GRPOTrainerConfig, KLControlConfig, RLDataConfig
 from fsdptrain.data.dataset import Sample, check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
-from fsdptrain.distributed.mesh import Parallel, World, world_from_environment
+from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.offload import PhaseOffload
 from fsdptrain.distributed.reductions import max_over_ranks
 from fsdptrain.errors import ConfigError
@@ -60,9 +59,10 @@ from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, fit_prompts, flatten
 from fsdptrain.rl.validation import validate_on_ranks
-from fsdptrain.trainer.grpo_plan import GRPOPlan, plan_grpo
+from fsdptrain.trainer.grpo_plan import GRPOPlan, RewardModelPlan, RewardPlan
 from fsdptrain.trainer.runtime import memory_held_gb, peak_memory_gb
 from fsdptrain.trainer.setup import (
+    ModelSpec,
     Run,
     StepTimer,
     build_sharded_model,
@@ -100,8 +100,7 @@ class GRPOStep:
     critic_offload: PhaseOffload | None  # with a critic
 
     def __call__(self, timer: StepTimer) -> StepResult:
-        plan, parallel = self.plan, self.actor.parallel
-        advantage = plan.advantage
+        plan, parallel, advantage = self.plan, self.actor.parallel, self.plan.advantage
         groups, metrics = self.generate(timer)
         generations, ids = flatten(groups)
         group_ids = torch.tensor(ids)
@@ -231,63 +230,58 @@ class GRPOInputs:
     loops: dict[str, Loop]  # the agent loops the rows name, built (and so checked) before the engine they are given exists
 
 
-def read_grpo_inputs(config: GRPOConfig, world: World) -> GRPOInputs:
-    model_config, multi_turn = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout.multi_turn
-    check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})
-    tokenizer = load_tokenizer(model_config.path, "actor_rollout_ref.model.path", model_config)
-    plan = plan_grpo(config, world, tokenizer.pad_token_id)
-    tools = load_tools(multi_turn.tool_config_path) if plan.multi_turn and multi_turn.tool_config_path else {}
-    interactions = load_interactions(multi_turn.interaction_config_path) if plan.multi_turn and multi_turn.interaction_config_path else {}
-    hf_config = load_model_config(model_config.path, "actor_rollout_ref.model.path", model_config, plan.sp_size)
-    added = add_model_tokens(model_config, "actor_rollout_ref.model", tokenizer, hf_config)
+def read_grpo_inputs(plan: GRPOPlan) -> GRPOInputs:
+    spec, data = plan.actor_model, plan.data
+    check_files_exist({"data.train_files": data.train_files, "data.val_files": data.val_files})
+    tokenizer = load_tokenizer(spec.path, "actor_rollout_ref.model.path", spec.model)
+    tools = load_tools(plan.tools_file) if plan.tools_file else {}
+    interactions = load_interactions(plan.interactions_file) if plan.interactions_file else {}
+    hf_config = load_model_config(spec.path, "actor_rollout_ref.model.path", spec.model, plan.sp_size)
+    added = add_model_tokens(spec.model, "actor_rollout_ref.model", tokenizer, hf_config)
     if added is not None and hf_config.vocab_size > added.pretrained_rows:
         raise ConfigError(f"actor_rollout_ref.model.added_tokens_file: {len(added.new_ids)} tokens are new to "
-                          f"actor_rollout_ref.model.path={model_config.path!r}, past its {added.pretrained_rows} embedding rows, and its "
+                          f"actor_rollout_ref.model.path={spec.path!r}, past its {added.pretrained_rows} embedding rows, and its "
                           "rollout engine loads the folder as it is: add them by SFT (model.added_tokens_file) and train GRPO from "
                           "its export, whose tokenizer and embedding hold them")
     if plan.sequence_length > getattr(hf_config, "max_position_embeddings", plan.sequence_length):
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {plan.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
-    reward_fn = build_reward_function(config, plan)
-    train, val = (load_rl_prompts(config, plan, files, tokenizer, key, tools, interactions)
-                  for files, key in ((config.data.train_files, "data.train_files"), (config.data.val_files, "data.val_files")))
-    total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "prompts")
-    loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, config.data.apply_chat_template_kwargs), [*train, *val])
-    critic_config = critic_model_config(config.critic, len(tokenizer), plan.sp_size) if plan.critic is not None else None
-    reward_config = reward_model_config(config.reward_model) if config.reward_model.enable else None
+    reward_fn = build_reward_function(plan.reward)
+    train, val = (load_rl_prompts(data, plan.default_agent_loop, files, tokenizer, key, tools, interactions)
+                  for files, key in ((data.train_files, "data.train_files"), (data.val_files, "data.val_files")))
+    total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "prompts")
+    loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
+    critic_config = critic_model_config(plan.critic_model, len(tokenizer), plan.sp_size) if plan.critic_model is not None else None
+    reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
     return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, critic_config=critic_config, reward_config=reward_config,
                       loops=loops)
 
 
-def run_grpo(config: GRPOConfig) -> None:
-    model_config, trainer = config.actor_rollout_ref.model, config.trainer
-    inputs = read_grpo_inputs(config, world_from_environment(trainer.device))
-    plan, tokenizer, hf_config, train, val, total_steps = (inputs.plan, inputs.tokenizer, inputs.hf_config, inputs.train, inputs.val,
-                                                           inputs.total_steps)
-    parallel = start_run(trainer, plan.sp_size, config.actor_rollout_ref.nccl_timeout)
+def run_grpo(plan: GRPOPlan) -> None:
+    inputs = read_grpo_inputs(plan)
+    tokenizer, hf_config, train, val, total_steps, trainer = (inputs.tokenizer, inputs.hf_config, inputs.train, inputs.val, inputs.total_steps,
+                                                              plan.trainer)
+    parallel = start_run(trainer, plan.sp_size, plan.nccl_timeout)
     claim_run_directory(trainer, parallel)
-    kl_ctrl = build_kl_controller(config)
-    algorithm = config.algorithm
-    shaping = build_reward_shaping(config)
+    kl_ctrl = build_kl_controller(plan.kl_control)
+    shaping = RewardShaping(plan.shaping, RunningMoments())
     cursor = PromptCursor()
-    critic = build_critic(config, plan, parallel, total_steps, inputs.critic_config) if plan.critic is not None else None
+    critic = build_critic(plan, parallel, total_steps, inputs.critic_config) if plan.critic is not None else None
     states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})}
     if critic is not None:
         states["critic_scheduler"] = critic.scheduler
-    if algorithm.reward_norm == "running":
+    if plan.shaping.norm == "running":
         states["reward_norm"] = shaping
-    reference = build_reference(config, plan, parallel, hf_config, inputs.added)
+    reference = build_reference(plan, parallel, hf_config, inputs.added)
     companions = {}
     if critic is not None:
         companions["critic"] = (critic.model, critic.optimizer)
     if plan.reference_sync is not None:  # the reference moves: saved and resumed with the run
         companions["reference"] = (reference, None)
-    run = open_run(parallel, trainer, model_config.path, model_config, config.actor_rollout_ref.actor.fsdp_config,
-                   config.actor_rollout_ref.actor.optim, hf_config, tokenizer, packed=model_config.use_remove_padding, total_steps=total_steps,
-                   run_config=asdict(config), states=states, companions=companions, lora=model_config.lora("actor_rollout_ref.model"),
-                   added=inputs.added)
-    scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(config, parallel, tokenizer, inputs.reward_config))
-    step_once = build_step(config, plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic)
+    run = open_run(parallel, trainer, plan.actor_model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, states=states,
+                   companions=companions, added=inputs.added)
+    scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(plan.reward, plan, parallel, tokenizer, inputs.reward_config))
+    step_once = build_step(plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic)
     engine, loops = step_once.engine, inputs.loops
     for loop in loops.values():
         loop.engine = engine
@@ -303,7 +297,7 @@ def run_grpo(config: GRPOConfig) -> None:
     if val and trainer.val_before_train and run.step == 0:
         run.logger.log(validate(), 0)
     history = []  # this process's steps, for the plots
-    with lost_ranks_named(run, config.actor_rollout_ref.nccl_timeout, "actor_rollout_ref.nccl_timeout"):
+    with lost_ranks_named(run, plan.nccl_timeout, "actor_rollout_ref.nccl_timeout"):
         for step in range(run.step + 1, total_steps + 1):
             timer = StepTimer(step)
             with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank):
@@ -311,15 +305,15 @@ def run_grpo(config: GRPOConfig) -> None:
             if val and run.due(step, trainer.test_freq, trainer.last_step_when_off):
                 with timer("testing"):
                     result.metrics.update(validate())
-            metrics = record_step(step, result, timer, history, plan, trainer, run)
+            metrics = record_step(step, result, timer, history, plan, run)
             run.end_step(step, metrics, score=f"{metrics['critic/score/mean']:.3f}", length=f"{metrics['response_length/mean']:.0f}")
     run.finish(shutdown=engine.shutdown)
 
 
-def record_step(step: int, result: StepResult, timer: StepTimer, history: list[dict], plan: GRPOPlan, trainer, run: Run) -> dict[str, float]:
+def record_step(step: int, result: StepResult, timer: StepTimer, history: list[dict], plan: GRPOPlan, run: Run) -> dict[str, float]:
     """The step's metrics completed (timings, throughput, memory; added to `history`), its rollouts dumped at
     trainer.rollout_data_dir, and the plots drawn at trainer.plot_freq."""
-    parallel, metrics, groups = run.parallel, result.metrics, result.groups
+    parallel, metrics, groups, trainer = run.parallel, result.metrics, result.groups, plan.trainer
     if plan.loss.kl_coef is not None:
         metrics["actor/kl_coef"] = plan.loss.kl_coef
     timer.seconds["step"] = timer.elapsed()
@@ -337,30 +331,29 @@ def record_step(step: int, result: StepResult, timer: StepTimer, history: list[d
     return metrics
 
 
-def build_reward_function(config: GRPOConfig, plan: GRPOPlan) -> RewardFn:
-    """The per-response reward: reward.sources weighted, else the custom (or built-in) function; none where a reward
-    model or server scores alone."""
-    if config.reward.sources:
-        return weighted_sources(load_reward_sources(config.reward.sources))
-    if config.algorithm.gdpo_reward_keys is not None:
-        return entry_sources(load_reward_function(plan.reward_function.path, plan.reward_function.name), config.algorithm.gdpo_reward_keys)
-    if (config.reward_model.enable or config.reward_model.remote_rm_url) and not plan.reward_function.path:
+def build_reward_function(reward: RewardPlan) -> RewardFn:
+    """The per-response reward: reward.sources weighted, else the custom (or built-in) function, whole or as the
+    entries algorithm.gdpo_reward_keys names; none where a reward model or server scores alone."""
+    if reward.sources:
+        return weighted_sources(load_reward_sources(reward.sources))
+    if reward.entries is not None:
+        return entry_sources(load_reward_function(reward.function.path, reward.function.name), reward.entries)
+    if (reward.model is not None or reward.remote_url) and not reward.function.path:
         return no_reward
-    return load_reward_function(plan.reward_function.path, plan.reward_function.name)
+    return load_reward_function(reward.function.path, reward.function.name)
 
 
-def load_rl_prompts(config: GRPOConfig, plan: GRPOPlan, files: list[str], tokenizer, key: str, tools: dict[str, BaseTool],
+def load_rl_prompts(data: RLDataConfig, default_agent_loop: str, files: list[str], tokenizer, key: str, tools: dict[str, BaseTool],
                     interactions: dict[str, BaseInteraction]) -> list:
     """The prompts of `files` (data.train_files or data.val_files, named by `key`), rendered with the schemas of
-    multi-turn `tools`, their rows' interactions and agent loops checked (a row without `agent_name` takes the
-    plan's default), fitted to data.max_prompt_length."""
+    multi-turn `tools`, their rows' interactions and agent loops checked (a row without `agent_name` takes
+    `default_agent_loop`), fitted to data.max_prompt_length."""
     if not files:
         return []
-    data = config.data
     prompts = load_prompts(files, tokenizer, data.apply_chat_template_kwargs, tool_schemas(tools))
     check_interaction_names(prompts, interactions, key)
     for row, prompt in enumerate(prompts):
-        prompt.agent_name = prompt.agent_name or plan.default_agent_loop
+        prompt.agent_name = prompt.agent_name or default_agent_loop
         if prompt.agent_name not in AGENT_LOOPS:
             raise ConfigError(f"{key} row {row}: agent_name={prompt.agent_name!r} is not a registered agent loop "
                               f"({'|'.join(AGENT_LOOPS)})")
@@ -372,96 +365,76 @@ def build_loops(context: LoopContext, prompts: list) -> dict[str, Loop]:
     return {name: AGENT_LOOPS[name](context) for name in sorted({p.agent_name for p in prompts})}
 
 
-def build_kl_controller(config: GRPOConfig) -> core_algos.KLController | None:
-    algorithm = config.algorithm
-    if not algorithm.use_kl_in_reward:
-        return None
-    return core_algos.KLController(algorithm.kl_ctrl.type, algorithm.kl_ctrl.kl_coef, algorithm.kl_ctrl.target_kl, algorithm.kl_ctrl.horizon)
+def build_kl_controller(settings: KLControlConfig | None) -> core_algos.KLController | None:
+    return None if settings is None else core_algos.KLController(settings.type, settings.kl_coef, settings.target_kl, settings.horizon)
 
 
-def build_reward_shaping(config: GRPOConfig) -> RewardShaping:
-    algorithm = config.algorithm
-    return RewardShaping(algorithm.reward_norm, algorithm.reward_norm_minus_mean or algorithm.reward_shift, not algorithm.reward_shift,
-                         algorithm.reward_clip, RunningMoments())
-
-
-def batch_sources(config: GRPOConfig, parallel: Parallel, tokenizer, reward_config: PretrainedConfig | None) -> list[BatchSource]:
+def batch_sources(reward: RewardPlan, plan: GRPOPlan, parallel: Parallel, tokenizer, reward_config: PretrainedConfig | None) -> list[BatchSource]:
     """The reward model (`reward_config`: its folder's config) and the remote reward server, where configured."""
-    settings, sources = config.reward_model, []
-    if settings.enable:
-        sources.append(BatchSource("reward_model", settings.weight, build_reward_model(config, parallel, tokenizer, reward_config)))
-    if settings.remote_rm_url:
-        remote = settings.remote
-        sources.append(BatchSource("remote", remote.weight, RemoteReward(settings.remote_rm_url, tokenizer, remote.batch_size, remote.max_concurrency,
+    sources = []
+    if reward.model is not None:
+        sources.append(BatchSource("reward_model", reward.model.weight, build_reward_model(reward.model, plan.trainer, parallel, tokenizer, reward_config)))
+    if reward.remote_url:
+        remote = reward.remote
+        sources.append(BatchSource("remote", remote.weight, RemoteReward(reward.remote_url, tokenizer, remote.batch_size, remote.max_concurrency,
                                                                           remote.timeout_s, remote.retries, remote.backoff_s)))
     return sources
 
 
-def frozen_fsdp(config: GRPOConfig, own: RefFSDPConfig) -> FSDPConfig:
-    """A frozen model's FSDP settings (the reference's, the reward model's): the actor's compute dtype and
-    resharding, with its own CPU offload, shard group size and weights' dtype."""
-    return replace(config.actor_rollout_ref.actor.fsdp_config, cpu_offload=own.cpu_offload, fsdp_size=own.fsdp_size, model_dtype=own.model_dtype)
-
-
-def reward_model_config(settings: RewardModelConfig) -> PretrainedConfig:
+def reward_model_config(spec: ModelSpec) -> PretrainedConfig:
     """reward_model.model.path's config, checked (a reward model has one label) before any process starts."""
-    model = settings.model
-    hf_config = load_model_config(model.path, "reward_model.model.path", ModelConfig(model.trust_remote_code, False, "auto"), sp_size=1)
+    hf_config = load_model_config(spec.path, "reward_model.model.path", spec.model, sp_size=1)
     if hf_config.num_labels != 1:
-        raise ConfigError(f"reward_model.model.path={model.path!r} has {hf_config.num_labels} labels: a reward model has one")
+        raise ConfigError(f"reward_model.model.path={spec.path!r} has {hf_config.num_labels} labels: a reward model has one")
     return hf_config
 
 
-def build_reward_model(config: GRPOConfig, parallel: Parallel, policy_tokenizer, hf_config: PretrainedConfig) -> RewardModel:
+def build_reward_model(settings: RewardModelPlan, trainer: GRPOTrainerConfig, parallel: Parallel, policy_tokenizer,
+                       hf_config: PretrainedConfig) -> RewardModel:
     """reward_model.*: the sequence-classification checkpoint (`hf_config`: its config) as a frozen, sharded
     token-classification model."""
-    settings, trainer = config.reward_model, config.trainer
-    model_config = ModelConfig(settings.model.trust_remote_code, enable_gradient_checkpointing=False,
-                               attn_implementation=config.actor_rollout_ref.model.attn_implementation)
-    tokenizer = load_tokenizer(settings.model.path, "reward_model.model.path", model_config)
-    model = build_sharded_model(settings.model.path, model_config, frozen_fsdp(config, settings.model.fsdp_config), hf_config, trainer,
-                                parallel, settings.model.use_remove_padding, trainable=False, auto_class=AutoModelForTokenClassification)
-    offload = PhaseOffload(model, None, settings.model.fsdp_config.param_offload, False)
+    spec = settings.spec
+    tokenizer = load_tokenizer(spec.path, "reward_model.model.path", spec.model)
+    model = build_sharded_model(spec.path, spec.model, spec.fsdp, hf_config, trainer, parallel, spec.packed, trainable=False,
+                                auto_class=AutoModelForTokenClassification)
+    offload = PhaseOffload(model, None, spec.fsdp.param_offload, False)
     offload.leave()
-    batching = MicroBatching(settings.micro_batch_size_per_gpu, False, None, "reward_model.micro_batch_size_per_gpu", "", "")
-    return RewardModel(model, parallel, batching, settings.model.use_remove_padding, tokenizer.pad_token_id, policy_tokenizer,
+    batching = MicroBatching(settings.micro_batch_size, False, None, "reward_model.micro_batch_size_per_gpu", "", "")
+    return RewardModel(model, parallel, batching, spec.packed, tokenizer.pad_token_id, policy_tokenizer,
                        None if same_tokenizer(tokenizer, policy_tokenizer) else tokenizer, offload)
 
 
-def critic_model_config(critic: CriticConfig, vocabulary: int, sp_size: int) -> PretrainedConfig:
+def critic_model_config(spec: ModelSpec, vocabulary: int, sp_size: int) -> PretrainedConfig:
     """critic.model.path's config with a value head, checked before any process starts: it reads the token ids of
     the actor's tokenizer (`vocabulary` of them)."""
-    hf_config = load_model_config(critic.model.path, "critic.model.path", critic.model, sp_size)
+    hf_config = load_model_config(spec.path, "critic.model.path", spec.model, sp_size)
     if hf_config.vocab_size < vocabulary:
-        raise ConfigError(f"critic.model.path={critic.model.path!r} has {hf_config.vocab_size} token embeddings, fewer than the "
+        raise ConfigError(f"critic.model.path={spec.path!r} has {hf_config.vocab_size} token embeddings, fewer than the "
                           f"{vocabulary} tokens of the actor's tokenizer, whose token ids it reads")
     hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0  # one value per token, and no dropout on it, as verl's critic
     return hf_config
 
 
-def build_critic(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, total_steps: int, hf_config: PretrainedConfig) -> Critic:
+def build_critic(plan: GRPOPlan, parallel: Parallel, total_steps: int, hf_config: PretrainedConfig) -> Critic:
     """PPO's critic (critic.*): the backbone of critic.model.path (`hf_config`: its config, critic_model_config's)
     with a value head, sharded and trained with its own optimizer and LR schedule."""
-    critic, trainer = config.critic, config.trainer
-    model = build_sharded_model(critic.model.path, critic.model, critic.model.fsdp_config, hf_config, trainer, parallel,
-                                critic.model.use_remove_padding, trainable=True, auto_class=AutoModelForTokenClassification)
+    spec, settings = plan.critic_model, plan.critic
+    model = build_sharded_model(spec.path, spec.model, spec.fsdp, hf_config, plan.trainer, parallel, spec.packed, trainable=True,
+                                auto_class=AutoModelForTokenClassification)
     model.train()
-    optimizer = build_optimizer(model, critic.optim)
-    settings = plan.critic
-    return Critic(model, optimizer, build_scheduler(optimizer, critic.optim, total_steps), parallel, settings.forward, settings.loss,
+    optimizer = build_optimizer(model, spec.optim)
+    return Critic(model, optimizer, build_scheduler(optimizer, spec.optim, total_steps), parallel, settings.forward, settings.loss,
                   settings.update, settings.update_batching, settings.forward_batching)
 
 
-def build_reference(config: GRPOConfig, plan: GRPOPlan, parallel: Parallel, hf_config: PretrainedConfig,
-                    added: AddedTokens | None) -> nn.Module | None:
+def build_reference(plan: GRPOPlan, parallel: Parallel, hf_config: PretrainedConfig, added: AddedTokens | None) -> nn.Module | None:
     """The frozen reference, sharded by its own fsdp_config (with the `added` tokens' rows the actor starts from), where the
     KL needs one and LoRA does not give it (the actor's own weights, adapters off); built before the run's
     checkpoint is resumed, which holds it when it moves."""
-    model = config.actor_rollout_ref.model
-    if not plan.needs_reference or model.lora_rank:
+    spec = plan.reference_model
+    if spec is None:
         return None
-    return build_sharded_model(model.path, model, frozen_fsdp(config, config.actor_rollout_ref.ref.fsdp_config), hf_config, config.trainer,
-                               parallel, model.use_remove_padding, trainable=False, added=added)
+    return build_sharded_model(spec.path, spec.model, spec.fsdp, hf_config, plan.trainer, parallel, spec.packed, trainable=False, added=added)
 
 
 def answer_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Prompt], list[int]]:
@@ -469,29 +442,29 @@ def answer_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Prompt], lis
     return lambda prompt: tokenizer(str(prompt.ground_truth), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def build_step(config: GRPOConfig, plan: GRPOPlan, run: Run, reference: nn.Module | None, train: list, scorer: Scorer,
+def build_step(plan: GRPOPlan, run: Run, reference: nn.Module | None, train: list, scorer: Scorer,
                cursor: PromptCursor, kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None) -> GRPOStep:
     """The step's parts, built with the plan's settings: the actor on the run's model, the reference (LoRA's: the
     actor's model), the rollout engine (without weights until the first sync) and the sampler that drives it; the
     critic and a standalone reference come built (their checkpoints were resumed with the run's)."""
-    parallel, trainer = run.parallel, config.trainer
+    parallel, trainer = run.parallel, plan.trainer
     policy = PolicyActor(run.model, run.optimizer, run.scheduler, parallel, plan.forward, plan.loss, plan.update, plan.update_batching,
                          plan.log_prob_batching, run.trained_rows)
-    actor_fsdp = config.actor_rollout_ref.actor.fsdp_config
+    actor_fsdp = plan.actor_model.fsdp
     actor_offload = PhaseOffload(run.model, run.optimizer, actor_fsdp.param_offload, actor_fsdp.optimizer_offload)
     reference_offload = None
     if plan.needs_reference and reference is None:  # LoRA's (build_reference builds none)
         reference = run.model  # the policy with its adapters switched off: no second model, on the device as the actor
         reference_offload = PhaseOffload(reference, None, False, False)
     elif reference is not None:
-        reference_offload = PhaseOffload(reference, None, config.actor_rollout_ref.ref.fsdp_config.param_offload, False)
+        reference_offload = PhaseOffload(reference, None, plan.reference_model.fsdp.param_offload, False)
         reference_offload.leave()
     critic_offload = None
     if critic is not None:
-        critic_fsdp = config.critic.model.fsdp_config
+        critic_fsdp = plan.critic_model.fsdp
         critic_offload = PhaseOffload(critic.model, critic.optimizer, critic_fsdp.param_offload, critic_fsdp.optimizer_offload)
     engine = build_rollout(plan.engine_name, plan.engine)
-    sampler = GroupSampler(train, config.data.train_batch_size, config.data.shuffle, trainer.seed, engine,
+    sampler = GroupSampler(train, plan.data.train_batch_size, plan.data.shuffle, trainer.seed, engine,
                            engine_index(parallel.rank, plan.engine.tensor_parallel_size), plan.request, scorer, parallel, plan.filter_metric,
                            plan.max_gen_batches, cursor, score_later=plan.score_later,
                            answer_ids=answer_encoder(scorer.tokenizer) if plan.add_ground_truth else None)

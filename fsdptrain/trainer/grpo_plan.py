@@ -1,12 +1,12 @@
 """The GRPO trainer's plan: the config and the world (the processes torchrun started) turned, once and before the
 process group starts, into every setting the step's components take. It derives each size once, checks every name
 against its registry and every rule that spans sections or needs the number of ranks, and reports all problems in
-one error. The step and the loop read the plan; only the run's set-up (paths, the trainer section) reads the config.
+one error. The run, its set-up, the step and the loop read the plan; nothing below it reads the config.
 """
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from omegaconf import DictConfig
 
@@ -17,16 +17,23 @@ from fsdptrain.config.grpo import (
     ROLLOUT,
     CustomRewardConfig,
     GRPOConfig,
+    GRPOTrainerConfig,
+    KLControlConfig,
+    RefFSDPConfig,
+    RemoteRewardConfig,
+    RewardSourceConfig,
+    RLDataConfig,
     importance_bounds,
     own_checks,
     rejection_options,
     validate_critic,
 )
-from fsdptrain.config.shared import logger_packages, validate_sequence_parallel
+from fsdptrain.config.shared import FSDPConfig, ModelConfig, logger_packages, validate_sequence_parallel
 from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
 from fsdptrain.distributed.mesh import World, check_fsdp_size, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import compute_dtype, warn_if_emulated
 from fsdptrain.errors import ConfigError
+from fsdptrain.models.loading import load_tokenizer
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
 from fsdptrain.rl.advantages import AdvantageSettings
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, MultiTurnSettings
@@ -34,12 +41,14 @@ from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
 from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossSettings, RejectionRule
 from fsdptrain.rl.critic import ValueLossSettings
 from fsdptrain.rl.reference_sync import ReferenceSync
+from fsdptrain.rl.reward_shaping import ShapingSettings
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
 from fsdptrain.rl.rollout.beams import read_catalog
 from fsdptrain.rl.rollout.vllm import EngineSettings
 from fsdptrain.rl.rollout_correction import Correction
 from fsdptrain.rl.sampling import FILTER_KEYS, RolloutRequest
+from fsdptrain.trainer.setup import ModelSpec
 
 HOST_MEMORY_FOR_ENGINES = 0.8  # on CPU: the share of host memory all of a host's vLLM engines may take together
 GPU_MEMORY_UTILIZATION = 0.5  # verl's default for one engine a GPU
@@ -57,7 +66,41 @@ class CriticPlan:
 
 
 @dataclass(frozen=True)
+class RewardModelPlan:
+    """reward_model.*: the frozen sequence classifier (its spec) and how its score joins the others."""
+
+    spec: ModelSpec
+    weight: float
+    micro_batch_size: int
+
+
+@dataclass(frozen=True)
+class RewardPlan:
+    """Where a response's reward comes from: the reward function (or reward.sources weighted, or the entries of the
+    function's dict that algorithm.gdpo_reward_keys names), then the reward model and the remote server."""
+
+    function: CustomRewardConfig  # custom_reward_function.* or newer verl's reward.custom_reward_function.*
+    sources: tuple[RewardSourceConfig, ...]
+    entries: tuple[str, ...] | None
+    model: RewardModelPlan | None
+    remote_url: str | None
+    remote: RemoteRewardConfig
+
+
+@dataclass(frozen=True)
 class GRPOPlan:
+    trainer: GRPOTrainerConfig
+    data: RLDataConfig
+    run_config: dict  # the whole config, as checkpoints and loggers record it
+    nccl_timeout: float  # actor_rollout_ref.nccl_timeout
+    actor_model: ModelSpec  # actor_rollout_ref.model with the actor's FSDP and optimizer
+    reference_model: ModelSpec | None  # its own; None without a KL, or under LoRA (the actor with its adapters off)
+    critic_model: ModelSpec | None
+    reward: RewardPlan
+    kl_control: KLControlConfig | None  # algorithm.kl_ctrl, where the reward carries a KL penalty
+    shaping: ShapingSettings
+    tools_file: str | None  # multi-turn's tool and interaction YAMLs
+    interactions_file: str | None
     sp_size: int
     sequence_length: int  # data.max_prompt_length + data.max_response_length
     forward: ForwardSettings
@@ -93,7 +136,6 @@ class GRPOPlan:
     multi_turn: MultiTurnSettings | None
     default_agent_loop: str  # for rows without `agent_name`
     overlong: OverlongBuffer | None
-    reward_function: CustomRewardConfig  # custom_reward_function.* or newer verl's reward.custom_reward_function.*
 
 
 def batching(config: GRPOConfig, size: int, size_key: str, dynamic: bool | None, max_tokens: int | None, max_tokens_key: str, packed: bool,
@@ -437,6 +479,12 @@ def memory_share(config: GRPOConfig, world: World) -> float:
     return GPU_MEMORY_UTILIZATION
 
 
+def resolve_grpo(config: GRPOConfig, world: World) -> GRPOPlan:
+    """The run's plan, from a config that `read_grpo_config` has checked, with the pad id of the policy's tokenizer."""
+    model = config.actor_rollout_ref.model
+    return plan_grpo(config, world, load_tokenizer(model.path, "actor_rollout_ref.model.path", model).pad_token_id)
+
+
 # long: one settings object per component, each a few lines; split up, the plan's shape would be spread over files
 def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     """The run's plan, from a config that `read_grpo_config` has checked; `pad_id`: the policy's tokenizer's."""
@@ -518,5 +566,37 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                                      multi_turn.tokenization_sanity_check_mode, multi_turn.tool_timeout_s) if multi_turn.enable else None,
         default_agent_loop=rollout.agent.default_agent_loop or ("tool_agent" if multi_turn.enable else "single_turn_agent"),
         overlong=OverlongBuffer(data.max_response_length, overlong.len, overlong.penalty_factor) if overlong.enable else None,
-        reward_function=resolve_reward_function(config),
+        trainer=trainer, data=data, run_config=asdict(config), nccl_timeout=config.actor_rollout_ref.nccl_timeout,
+        actor_model=ModelSpec(model.path, model, actor.fsdp_config, model.use_remove_padding, actor.optim, model.lora("actor_rollout_ref.model")),
+        reference_model=(ModelSpec(model.path, model, frozen_fsdp(actor.fsdp_config, ref.fsdp_config), model.use_remove_padding)
+                         if (actor.use_kl_loss or use_kl_in_reward) and not model.lora_rank else None),
+        critic_model=(ModelSpec(config.critic.model.path, config.critic.model, config.critic.model.fsdp_config, config.critic.model.use_remove_padding,
+                                config.critic.optim) if critic is not None else None),
+        reward=reward_plan(config),
+        kl_control=algorithm.kl_ctrl if use_kl_in_reward else None,
+        shaping=ShapingSettings(algorithm.reward_norm, algorithm.reward_norm_minus_mean or algorithm.reward_shift, not algorithm.reward_shift,
+                                algorithm.reward_clip),
+        tools_file=multi_turn.tool_config_path if multi_turn.enable else None,
+        interactions_file=multi_turn.interaction_config_path if multi_turn.enable else None,
     )
+
+
+def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:
+    """A frozen model's FSDP settings (the reference's, the reward model's): the actor's compute dtype and
+    resharding, with its own offloads, shard group size and weights' dtype."""
+    return replace(actor, cpu_offload=own.cpu_offload, fsdp_size=own.fsdp_size, model_dtype=own.model_dtype, param_offload=own.param_offload,
+                   optimizer_offload=False)
+
+
+def reward_plan(config: GRPOConfig) -> RewardPlan:
+    settings, keys = config.reward_model, config.algorithm.gdpo_reward_keys
+    model = None
+    if settings.enable:
+        reward_model = settings.model
+        loading = ModelConfig(reward_model.trust_remote_code, enable_gradient_checkpointing=False,
+                              attn_implementation=config.actor_rollout_ref.model.attn_implementation)
+        spec = ModelSpec(reward_model.path, loading, frozen_fsdp(config.actor_rollout_ref.actor.fsdp_config, reward_model.fsdp_config),
+                         reward_model.use_remove_padding)
+        model = RewardModelPlan(spec, settings.weight, settings.micro_batch_size_per_gpu)
+    return RewardPlan(resolve_reward_function(config), tuple(config.reward.sources), tuple(keys) if keys is not None else None, model,
+                      settings.remote_rm_url, settings.remote)

@@ -146,27 +146,37 @@ def end_run(shutdown: Callable[[], None] | None = None) -> None:
         dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the run builds, as the plan resolves it from its config sections: its folder, how it loads, how it
+    shards (and what of it waits in host memory between the phases that use it: fsdp.param_offload,
+    optimizer_offload), whether its batches are packed, and, trained, its optimizer and adapters."""
+
+    path: str
+    model: ModelConfig
+    fsdp: FSDPConfig
+    packed: bool
+    optim: OptimConfig | None = None
+    lora: LoRASettings | None = None
+
+
 def open_run(
     parallel: Parallel,
     trainer: TrainerConfig,
-    path: str,
-    model: ModelConfig,
-    fsdp: FSDPConfig,
-    optim: OptimConfig,
+    spec: ModelSpec,
     hf_config: PretrainedConfig,
     tokenizer: PreTrainedTokenizerBase,
-    packed: bool,
     total_steps: int,
     run_config: dict,
     states: dict[str, Stateful] | None = None,
     companions: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] | None = None,
-    lora: LoRASettings | None = None,
     added: AddedTokens | None = None,
 ) -> Run:
-    """Build the trained model (its `lora` adapters alone, if given), its optimizer and LR schedule, resume the
+    """Build the trained model (`spec`'s; its adapters alone, if it has them), its optimizer and LR schedule, resume the
     checkpoint that trainer.resume_mode selects (with the trainer's own `states` beside the scheduler, and its
     `companions`: other models with their optimizers, or None for a model that moves untrained), and open the logger and progress bar."""
-    trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, packed, trainable=True, lora=lora, added=added)
+    path, model, fsdp, optim, lora = spec.path, spec.model, spec.fsdp, spec.optim, spec.lora
+    trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, spec.packed, trainable=True, lora=lora, added=added)
     trained_rows = TrainedRows(trained, added.ids) if isinstance(model, LanguageModelConfig) and model.freeze_llm else None
     optimizer = build_optimizer(trained, optim)
     scheduler = build_scheduler(optimizer, optim, total_steps)

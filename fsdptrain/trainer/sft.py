@@ -2,13 +2,12 @@
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdptrain.config.sft import SFTConfig
 from fsdptrain.data.batching import epoch_batches, rank_share
 from fsdptrain.data.dataset import Sample, check_files_exist, load_sft_samples
 from fsdptrain.data.micro_batches import collate, forward_batches, loss_tokens, plan_micro_batches
@@ -22,7 +21,7 @@ from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.optim import clipped_step
 from fsdptrain.trainer.runtime import peak_memory_gb
 from fsdptrain.trainer.setup import StepTimer, claim_run_directory, count_steps, lost_ranks_named, open_run, start_run
-from fsdptrain.trainer.sft_plan import SFTPlan, plan_sft
+from fsdptrain.trainer.sft_plan import SFTPlan
 
 
 def train_step(model: nn.Module, micro_batches: list[list[Sample] | None], plan: SFTPlan, parallel: Parallel, pad_token_id: int) -> list[float]:
@@ -82,44 +81,38 @@ class SFTInputs:
     added: AddedTokens | None  # model.added_tokens_file's
 
 
-def read_sft_inputs(config: SFTConfig) -> SFTInputs:
-    check_files_exist({"data.train_files": config.data.train_files, "data.val_files": config.data.val_files})
-    path = config.model.partial_pretrain
-    hf_config = load_model_config(path, "model.partial_pretrain", config.model, config.ulysses_sequence_parallel_size)
-    tokenizer = load_tokenizer(path, "model.partial_pretrain", config.model)
-    added = add_model_tokens(config.model, "model", tokenizer, hf_config)
-    train = load_sft_samples(config.data.train_files, tokenizer, config.data)
-    val = load_sft_samples(config.data.val_files, tokenizer, config.data) if config.data.val_files else []
-    total_steps = count_steps(config.trainer, len(train), config.data.train_batch_size, "samples")
-    return SFTInputs(plan_sft(config), hf_config, tokenizer, train, val, total_steps, added)
+def read_sft_inputs(plan: SFTPlan) -> SFTInputs:
+    data, spec = plan.data, plan.model
+    check_files_exist({"data.train_files": data.train_files, "data.val_files": data.val_files})
+    hf_config = load_model_config(spec.path, "model.partial_pretrain", spec.model, plan.sp_size)
+    tokenizer = load_tokenizer(spec.path, "model.partial_pretrain", spec.model)
+    added = add_model_tokens(spec.model, "model", tokenizer, hf_config)
+    train = load_sft_samples(data.train_files, tokenizer, data)
+    val = load_sft_samples(data.val_files, tokenizer, data) if data.val_files else []
+    total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "samples")
+    return SFTInputs(plan, hf_config, tokenizer, train, val, total_steps, added)
 
 
-def run_sft(config: SFTConfig) -> None:
-    inputs = read_sft_inputs(config)
-    plan, hf_config, tokenizer, train, val, total_steps = (inputs.plan, inputs.hf_config, inputs.tokenizer, inputs.train, inputs.val,
-                                                           inputs.total_steps)
-    parallel = start_run(config.trainer, config.ulysses_sequence_parallel_size, config.trainer.nccl_timeout)
-    claim_run_directory(config.trainer, parallel)
-    path = config.model.partial_pretrain
-    steps_per_epoch = len(train) // config.data.train_batch_size
-
-    run = open_run(
-        parallel, config.trainer, path, config.model, config.model.fsdp_config, config.optim, hf_config, tokenizer,
-        packed=config.use_remove_padding, total_steps=total_steps, run_config=asdict(config), lora=config.model.lora("model"),
-        added=inputs.added,
-    )
+def run_sft(plan: SFTPlan) -> None:
+    inputs = read_sft_inputs(plan)
+    hf_config, tokenizer, train, val, total_steps = inputs.hf_config, inputs.tokenizer, inputs.train, inputs.val, inputs.total_steps
+    trainer, data = plan.trainer, plan.data
+    parallel = start_run(trainer, plan.sp_size, trainer.nccl_timeout)
+    claim_run_directory(trainer, parallel)
+    steps_per_epoch = len(train) // data.train_batch_size
+    run = open_run(parallel, trainer, plan.model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, added=inputs.added)
     model = run.model
     batches, batches_epoch = [], -1
     history = []  # this run's steps, for the plots
-    with lost_ranks_named(run, config.trainer.nccl_timeout, "trainer.nccl_timeout"):
+    with lost_ranks_named(run, trainer.nccl_timeout, "trainer.nccl_timeout"):
         for step in range(run.step + 1, total_steps + 1):
             epoch, index = divmod(step - 1, steps_per_epoch)
             if epoch != batches_epoch:
-                batches, batches_epoch = epoch_batches(len(train), config.data.train_batch_size, config.trainer.seed, epoch, config.data.shuffle), epoch
+                batches, batches_epoch = epoch_batches(len(train), data.train_batch_size, trainer.seed, epoch, data.shuffle), epoch
             mine = rank_share([train[i] for i in batches[index]], parallel.dp_rank, parallel.dp_size)
             timer = StepTimer(step)
             lr = run.scheduler.get_last_lr()[0]
-            with profile_step(step == config.trainer.profile_step, step, config.trainer.default_local_dir, parallel.rank), timer("update"):
+            with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank), timer("update"):
                 micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
                 local = train_step(model, micro_batches, plan, parallel, tokenizer.pad_token_id)
                 grad_norm, applied = clipped_step(model, run.optimizer, plan.clip_grad, run.trained_rows)
@@ -135,10 +128,10 @@ def run_sft(config: SFTConfig) -> None:
                 "perf/tokens_per_sec": seen / elapsed,
                 "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
             }
-            if val and run.due(step, config.trainer.test_freq, config.trainer.last_step_when_off):
+            if val and run.due(step, trainer.test_freq, trainer.last_step_when_off):
                 metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
             run.end_step(step, metrics)
             history.append({"step": step, **metrics})
-            if parallel.is_main and run.due(step, config.trainer.plot_freq, last_when_off=True):
-                run.logger.log_images(write_plots(history, None, os.path.join(config.trainer.default_local_dir, "plots")), step)
+            if parallel.is_main and run.due(step, trainer.plot_freq, last_when_off=True):
+                run.logger.log_images(write_plots(history, None, os.path.join(trainer.default_local_dir, "plots")), step)
     run.finish()

@@ -1,21 +1,28 @@
-"""The SFT trainer's plan: the config and the world turned, before the process group starts, into the sizes the
-step takes, with the rules that need the number of ranks; every problem in one error."""
+"""The SFT trainer's plan: the config and the world turned, before the process group starts, into what the run
+builds and the sizes the step takes, with the rules that need the number of ranks; every problem in one error.
+Nothing below reads the config: the run takes the plan."""
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig
 
 from fsdptrain.config.base import check_packages, read_config
-from fsdptrain.config.sft import SFTConfig, own_checks
+from fsdptrain.config.sft import DataConfig, SFTConfig, SFTTrainerConfig, own_checks
 from fsdptrain.config.shared import logger_packages
 from fsdptrain.data.micro_batches import MicroBatching, check_batch_layout, validate_micro_batching
 from fsdptrain.distributed.mesh import World, check_fsdp_size, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import warn_if_emulated
+from fsdptrain.trainer.setup import ModelSpec
 
 
 @dataclass(frozen=True)
 class SFTPlan:
+    model: ModelSpec  # model.partial_pretrain, trained
+    trainer: SFTTrainerConfig
+    data: DataConfig
+    sp_size: int  # ulysses_sequence_parallel_size
+    run_config: dict  # the whole config, as checkpoints and loggers record it
     micro_batching: MicroBatching
     packed: bool  # use_remove_padding
     chunked_loss_tokens: int
@@ -60,5 +67,7 @@ def read_sft_config(cfg: DictConfig, problems: Sequence[str] = (), world: World 
 
 def plan_sft(config: SFTConfig) -> SFTPlan:
     """The run's plan, from a config that `read_sft_config` has checked."""
-    return SFTPlan(micro_batching(config), config.use_remove_padding, config.model.chunked_loss_tokens,
-                   config.data.balance_dp_token, config.optim.clip_grad)
+    model = config.model
+    spec = ModelSpec(model.partial_pretrain, model, model.fsdp_config, config.use_remove_padding, config.optim, model.lora("model"))
+    return SFTPlan(spec, config.trainer, config.data, config.ulysses_sequence_parallel_size, asdict(config), micro_batching(config),
+                   config.use_remove_padding, model.chunked_loss_tokens, config.data.balance_dp_token, config.optim.clip_grad)
