@@ -12,21 +12,24 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Entries by name, each with the facts its users need about it (`info`: e.g. an estimator's kind)."""
+    """Entries by name, each with its declaration (`info`, a registry's own frozen dataclass: what an estimator
+    needs, what a loss forces), from which the plan derives what a run builds for it."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, default_info: Any = None):
         self.what = what
+        self.default_info = default_info
         self.entries: dict[str, T] = {}
-        self.info: dict[str, dict[str, Any]] = {}
+        self.info: dict[str, Any] = {}
 
-    def register(self, *names: str, **info: Any) -> Callable[[T], T]:
-        """A decorator that registers what it decorates under `names` (aliases share one entry)."""
+    def register(self, *names: str, info: Any = None) -> Callable[[T], T]:
+        """A decorator that registers what it decorates under `names` (aliases share one entry), with its
+        declaration (the registry's default where it declares nothing)."""
 
         def add(entry: T) -> T:
             for name in names:
                 if name in self.entries:
                     raise ValueError(f"{self.what} {name!r} is registered twice")
-                self.entries[name], self.info[name] = entry, info
+                self.entries[name], self.info[name] = entry, info if info is not None else self.default_info
             return entry
 
         return add
@@ -40,9 +43,9 @@ class Registry(Generic[T]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
 
-    def names(self, **info: Any) -> tuple[str, ...]:
-        """The registered names, or those whose info has each of the given values."""
-        return tuple(name for name in self.entries if all(self.info[name].get(k) == v for k, v in info.items()))
+    def names(self, **declared: Any) -> tuple[str, ...]:
+        """The registered names, or those whose declaration has each of the given values."""
+        return tuple(name for name in self.entries if all(getattr(self.info[name], k) == v for k, v in declared.items()))
 
     def check(self, key: str, name: str) -> None:
         """A ConfigError naming `key` unless `name` is registered."""

@@ -147,13 +147,14 @@ def test_a_registered_name_is_accepted_without_touching_the_config(tmp_path):
     from fsdptrain.distributed.mesh import World
     from fsdptrain.errors import ConfigError
     from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
-    from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, grpo_advantages, vanilla_policy_loss
+    from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, EstimatorInfo, grpo_advantages, vanilla_policy_loss
     from fsdptrain.rl.rollout import ROLLOUT_ENGINES
     from fsdptrain.trainer.grpo_plan import read_grpo_config
 
     keys = {"algorithm.adv_estimator": ADVANTAGE_ESTIMATORS, "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
             "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES, "actor_rollout_ref.rollout.multi_turn.format": TOOL_CALL_FORMATS}
     entries = {"algorithm.adv_estimator": grpo_advantages, "actor_rollout_ref.actor.policy_loss.loss_mode": vanilla_policy_loss}
+    infos = {"algorithm.adv_estimator": EstimatorInfo("group")}  # its declaration; a loss's and the others' are their registry's default
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools: []\n")
 
@@ -166,7 +167,7 @@ def test_a_registered_name_is_accepted_without_touching_the_config(tmp_path):
     for key, registry in keys.items():
         with pytest.raises(ConfigError, match=f"{key} must be one of .*got 'throwaway'"):
             read(key, "throwaway")
-        registry.register("throwaway", kind="group")(entries.get(key, lambda *args: None))
+        registry.register("throwaway", info=infos.get(key))(entries.get(key, lambda *args: None))
         try:
             assert read(key, "throwaway")
         finally:

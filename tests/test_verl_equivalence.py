@@ -54,7 +54,7 @@ def ours_tokens(log_probs, old, advantages, mask) -> PolicyTokens:
 def our_loss(loss_mode, agg_mode, settings, log_probs, old, advantages, mask):
     tokens = ours_tokens(log_probs, old, advantages, mask)
     per_token, clipped, lower = core_algos.POLICY_LOSSES[loss_mode](tokens, settings)
-    mode = core_algos.POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
+    mode = core_algos.POLICY_LOSSES.info[loss_mode].agg_mode or agg_mode
     sequences = core_algos.loss_rows((mask.sum(-1) > 0).tolist(), loss_mode)  # GMPO: verl's torch.mean over every row
     loss = core_algos.agg_loss(per_token, tokens.mask, tokens.sequence_tokens, mode, float(mask.sum()), sequences, mask.shape[1])
     return loss, clipped.sum() / mask.sum(), lower.sum() / mask.sum()
@@ -189,7 +189,7 @@ def test_every_group_estimator_equals_verls(estimator, norm_by_std):
         settings = GroupSettings(norm_by_std=norm_by_std, batch_scale=batch_scale)
         per_sequence = core_algos.group_advantages(scores, torch.as_tensor(groups), estimator, settings, lengths=mask.sum(-1))
         ours = per_sequence[:, None] * mask
-        if core_algos.ADVANTAGE_ESTIMATORS.info[estimator].get("whitened"):
+        if core_algos.ADVANTAGE_ESTIMATORS.info[estimator].whitened:
             ours = whiten(ours, mask)
         torch.testing.assert_close(ours, verl_advantages, **TOLERANCE, msg=case)
 
@@ -296,7 +296,7 @@ def test_optimal_token_baselines_equal_verls(estimator, with_is_weights):
     verl_advantages, verl_returns = verl.get_adv_estimator_fn(estimator)(
         token_level_rewards=rewards, response_mask=mask, index=GROUPS, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
         rollout_is_weights=is_weights)
-    compact = core_algos.ADVANTAGE_ESTIMATORS.info[estimator]["compact"]
+    compact = core_algos.ADVANTAGE_ESTIMATORS.info[estimator].compact
     advantages, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
     for group in np.unique(GROUPS):
         rows = torch.as_tensor(GROUPS == group)
@@ -355,7 +355,7 @@ def test_every_policy_loss_with_multi_turn_masks_and_is_weights_equals_verls(los
         torch.manual_seed(seed)
         per_token, _, _ = core_algos.POLICY_LOSSES[loss_mode](tokens, settings)
         per_token = core_algos.is_weighted(per_token, weights.flatten(), loss_mode, tokens)
-        mode = core_algos.POLICY_LOSSES.info[loss_mode].get("agg_mode", agg_mode)
+        mode = core_algos.POLICY_LOSSES.info[loss_mode].agg_mode or agg_mode
         rows = core_algos.loss_rows((mask.sum(-1) > 0).tolist(), loss_mode)
         loss = core_algos.agg_loss(per_token, tokens.mask, tokens.sequence_tokens, mode, float(mask.sum()), rows, mask.shape[1])
         torch.manual_seed(seed)

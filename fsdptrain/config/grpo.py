@@ -382,9 +382,6 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
 
 def validate_gdpo_keys(algorithm: AlgorithmConfig) -> None:
     keys, weights = algorithm.gdpo_reward_keys, algorithm.gdpo_reward_weights
-    if algorithm.adv_estimator != "gdpo":
-        raise ConfigError(f"algorithm.gdpo_reward_keys names GDPO's reward sources: algorithm.adv_estimator={algorithm.adv_estimator} "
-                          "reads the summed score (set adv_estimator=gdpo, or drop the keys)")
     if not keys or len(set(keys)) != len(keys) or any(not key or "/" in key for key in keys):
         raise ConfigError(f"algorithm.gdpo_reward_keys={keys}: list the reward function's entries, each once (without '/')")
     if weights is not None and len(weights) != len(keys):

@@ -135,7 +135,7 @@ def policy_aggregation(mini: list[Sample], loss_settings: LossSettings, parallel
                        aggregate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The policy loss's aggregation: `aggregate`, the other terms', or over every row of the mini-batch for a loss
     that counts them all (GMPO, core_algos.loss_rows)."""
-    if not core_algos.POLICY_LOSSES.info[loss_settings.loss_mode].get("every_row"):
+    if not core_algos.POLICY_LOSSES.info[loss_settings.loss_mode].every_row:
         return aggregate
     return mini_batch_aggregation(mini, loss_settings.agg_mode, loss_settings.loss_scale_factor, loss_settings.max_response_length, parallel,
                                   loss_settings.loss_mode)

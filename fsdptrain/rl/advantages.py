@@ -69,7 +69,8 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
     Those registered `whitened` (or all, or none, by whiten_advantages) are whitened over every rank's response
     tokens."""
     masks, registry, estimator = [g.mask for g in generations], core_algos.ADVANTAGE_ESTIMATORS, settings.estimator
-    kind = registry.info[estimator]["kind"]
+    declared = registry.info[estimator]
+    kind = declared.kind
     if kind == "token":
         advantages = [registry[estimator](reward, mask, settings.gamma) for reward, mask in zip(token_rewards, masks)]
     elif kind == "optimal_token":
@@ -78,7 +79,7 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
         advantages = [registry[estimator](reward, mask, baseline)[0] for reward, mask, baseline in zip(token_rewards, masks, baselines)]
     else:
         scores = torch.stack([reward.sum() for reward in token_rewards])
-        batch_scale = nonzero_scale(scores, parallel) if registry.info[estimator].get("batch_scaled") else 1.0
+        batch_scale = nonzero_scale(scores, parallel) if declared.batch_scaled else 1.0
         group = core_algos.GroupSettings(settings.norm_by_std, batch_scale=batch_scale)
         if kind == "sources":
             weights = torch.tensor([weight for _, weight in settings.sources] or [1.0], dtype=scores.dtype)
@@ -87,7 +88,7 @@ def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Ge
             lengths = torch.stack([mask.sum() for mask in masks])
             per_sequence = core_algos.group_advantages(scores, group_ids, estimator, group, lengths)
         advantages = [value * mask for value, mask in zip(per_sequence, masks)]
-    if settings.whiten if settings.whiten is not None else registry.info[estimator].get("whitened"):
+    if settings.whiten if settings.whiten is not None else declared.whitened:
         advantages = whitened(advantages, masks, parallel)
     return advantages
 
@@ -103,7 +104,7 @@ def optimal_token_advantages(token_rewards: list[torch.Tensor], masks: list[torc
         group_advantages, _ = registry[estimator](
             pad_sequence([token_rewards[i] for i in members], batch_first=True), pad_sequence([masks[i] for i in members], batch_first=True),
             response_values(samples, generations, members, "old_log_prob"), response_values(samples, generations, members, "sum_pi_squared"),
-            response_values(samples, generations, members, "rollout_is_weight") if weighted else None, registry.info[estimator]["compact"])
+            response_values(samples, generations, members, "rollout_is_weight") if weighted else None, registry.info[estimator].compact)
         for row, i in enumerate(members):
             advantages[i] = group_advantages[row, : len(masks[i])]
     return advantages

@@ -15,21 +15,63 @@ import torch
 
 from fsdptrain.registry import Registry
 
-# Each estimator registers its kind: "group" maps one prompt's scores (n,) and response lengths to its responses'
-# advantages (scores, lengths, GroupSettings); "sources" the batch's per-source scores, the sources' weights and the
-# group ids to the responses' advantages; "token" one response's per-token rewards and mask to its advantages
-# (token_rewards, mask, gamma); "baseline" one response's per-token rewards, mask and its prompt's greedy score to
-# (advantages, returns); "optimal_token" one group's padded per-token rewards, mask, old log-probs, sums of
-# squared probabilities and rollout importance weights to (advantages, returns); "critic" one response's per-token
-# rewards, the critic's values, its mask, gamma and lambda to its (advantages, returns). `whitened`: whitened
-# afterwards over the whole batch's tokens (every rank's); `batch_scaled`: it reads GroupSettings.batch_scale.
+
+@dataclass(frozen=True)
+class EstimatorInfo:
+    """An advantage estimator's declaration. `kind` is its signature, and so what it reads: "group" maps one
+    prompt's scores (n,) and response lengths to its responses' advantages (scores, lengths, GroupSettings);
+    "sources" the batch's per-source scores, the sources' weights and the group ids to the responses' advantages;
+    "token" one response's per-token rewards and mask to its advantages (token_rewards, mask, gamma); "baseline" one
+    response's per-token rewards, mask and its prompt's greedy score to (advantages, returns); "optimal_token" one
+    group's padded per-token rewards, mask, old log-probs, sums of squared probabilities and rollout importance
+    weights to (advantages, returns); "critic" one response's per-token rewards, the critic's values, its mask,
+    gamma and lambda to its (advantages, returns). The plan builds what the properties below name."""
+
+    kind: str
+    whitened: bool = False  # whitened afterwards over the whole batch's tokens (every rank's)
+    batch_scaled: bool = False  # reads GroupSettings.batch_scale
+    compact: bool = False  # optimal_token: TIR's compact form
+
+    @property
+    def needs_values(self) -> bool:
+        """A critic, whose values it reads."""
+        return self.kind == "critic"
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """Each prompt answered greedily too, its score the baseline."""
+        return self.kind == "baseline"
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """The old-policy pass keeps each token's sum of squared probabilities (and so runs: not under bypass)."""
+        return self.kind == "optimal_token"
+
+    @property
+    def needs_source_scores(self) -> bool:
+        """Each reward source's own score: what changes the summed reward token by token is not one of them."""
+        return self.kind == "sources"
+
+    @property
+    def min_group_size(self) -> int:
+        """Responses a prompt at least (actor_rollout_ref.rollout.n): those that compare a group need two."""
+        return 2 if self.kind in ("group", "sources") else 1
+
+
+@dataclass(frozen=True)
+class LossInfo:
+    """A policy loss's declaration; every loss maps (PolicyTokens, PolicyLossSettings) to (per-token loss, clipped
+    mask, lower-clipped mask)."""
+
+    agg_mode: str | None = None  # the aggregation it always takes (None: loss_agg_mode's)
+    batch_local: bool = False  # reads statistics of its micro-batch (its gradient depends on the split)
+    old_from_rollout: bool = False  # its old log-probs are the rollout engine's
+    sequence_is_weight: bool = False  # rollout correction weighs each sequence by the geometric mean of its tokens' IS weights
+    every_row: bool = False  # averages over every sequence of the mini-batch, those without a loss token too (loss_rows)
+
+
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
-# Each loss: (PolicyTokens, PolicyLossSettings) -> (per-token loss, clipped mask, lower-clipped mask). `agg_mode`:
-# the aggregation it always takes; `batch_local`: it reads statistics of its micro-batch (its gradient depends on
-# the split); `old_from_rollout`: its old log-probs are the rollout engine's; `sequence_is_weight`: rollout
-# correction weighs each sequence by the geometric mean of its tokens' IS weights (is_weighted); `every_row`: it
-# averages over every sequence of the mini-batch, those without a loss token too (loss_rows).
-POLICY_LOSSES: Registry = Registry("policy loss")
+POLICY_LOSSES: Registry = Registry("policy loss", default_info=LossInfo())
 # Each mode: (masked per-token loss, sequence_tokens, global tokens, global sequences, Dr. GRPO's norm) -> scalar.
 LOSS_AGG_MODES: Registry = Registry("loss aggregation mode")
 # Each estimator: (log_probs, ref_log_probs) -> per-token KL estimates; a name may take a `+` suffix.
@@ -53,33 +95,33 @@ def group_mean_std(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros((), dtype=scores.dtype), torch.ones((), dtype=scores.dtype)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", "grpo_vectorized", kind="group")
+@ADVANTAGE_ESTIMATORS.register("grpo", "grpo_vectorized", info=EstimatorInfo("group"))
 def grpo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """(s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean (Dr. GRPO)."""
     mean, std = group_mean_std(scores)
     return (scores - mean) / (std + settings.eps) if settings.norm_by_std else scores - mean
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo", kind="group")
+@ADVANTAGE_ESTIMATORS.register("rloo", info=EstimatorInfo("group"))
 def rloo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """n / (n - 1) (s - mean): the leave-one-out baseline; a lone sample keeps its score, as verl's loop."""
     n = len(scores)
     return (scores - scores.mean()) * n / (n - 1) if n > 1 else scores.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo_vectorized", kind="group")
+@ADVANTAGE_ESTIMATORS.register("rloo_vectorized", info=EstimatorInfo("group"))
 def rloo_vectorized_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """RLOO as verl's vectorized form: the same, but a lone sample gets 0."""
     return rloo_advantages(scores, lengths, settings) if len(scores) > 1 else torch.zeros_like(scores)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", kind="group", whitened=True)
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", info=EstimatorInfo("group", whitened=True))
 def baseline_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """s - mean (REINFORCE++ with a group baseline; the batch whitening follows in the caller, over every rank)."""
     return scores - group_mean_std(scores)[0]
 
 
-@ADVANTAGE_ESTIMATORS.register("opo", kind="group")
+@ADVANTAGE_ESTIMATORS.register("opo", info=EstimatorInfo("group"))
 def opo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """OPO: s minus the length-weighted mean of the group's scores, sum(len s) / sum(len), the baseline that is
     optimal for a sequence-level reward."""
@@ -88,7 +130,7 @@ def opo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupS
     return scores - (lengths * scores).sum() / lengths.sum()
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo_passk", kind="group")
+@ADVANTAGE_ESTIMATORS.register("grpo_passk", info=EstimatorInfo("group"))
 def passk_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """Pass@k training: only the group's best response gets an advantage, its margin over the second best
     (divided by the group's std + eps with norm_by_std); every other response gets 0."""
@@ -99,7 +141,7 @@ def passk_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: Grou
     return advantages
 
 
-@ADVANTAGE_ESTIMATORS.register("gpg", kind="group", batch_scaled=True)
+@ADVANTAGE_ESTIMATORS.register("gpg", info=EstimatorInfo("group", batch_scaled=True))
 def gpg_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """GPG: alpha (s - mean), alpha the batch's responses over those scored nonzero (settings.batch_scale)."""
     return settings.batch_scale * (scores - group_mean_std(scores)[0])
@@ -117,7 +159,7 @@ def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str,
     return advantages
 
 
-@ADVANTAGE_ESTIMATORS.register("gdpo", kind="sources", whitened=True)
+@ADVANTAGE_ESTIMATORS.register("gdpo", info=EstimatorInfo("sources", whitened=True))
 def gdpo_advantages(source_scores: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
     """GDPO: each reward source's scores (columns of `source_scores`) normalized within each group as GRPO's, then
     summed with the sources' weights (the batch whitening follows in the caller)."""
@@ -147,8 +189,8 @@ def path_variance_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: t
     return baseline
 
 
-@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", kind="optimal_token", compact=False)
-@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", kind="optimal_token", compact=True)
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", info=EstimatorInfo("optimal_token"))
+@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", info=EstimatorInfo("optimal_token", compact=True))
 def optimal_token_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
                              is_weights: torch.Tensor | None, compact: bool, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """The optimal token baseline over one group's responses (N, T), right-padded: each token's reward-to-go G_t
@@ -177,7 +219,7 @@ def optimal_token_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, ol
     return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("remax", kind="baseline")
+@ADVANTAGE_ESTIMATORS.register("remax", info=EstimatorInfo("baseline"))
 def remax_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: the reward-to-go of one response minus `baseline`, the score of its prompt's greedy response.
     Returns (advantages, returns)."""
@@ -185,7 +227,7 @@ def remax_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, baseline: 
     return returns - baseline * mask, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", kind="token", whitened=True)
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", info=EstimatorInfo("token", whitened=True))
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """REINFORCE++'s returns of one response (tokens,): sum of gamma^k r_{t+k} over its generated tokens (mask 1).
     Tokens off the mask (a tool's, an environment's) are skipped, not a reset: verl's reset there would cut a
@@ -198,7 +240,7 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return returns * mask
 
 
-@ADVANTAGE_ESTIMATORS.register("gae", kind="critic", whitened=True)
+@ADVANTAGE_ESTIMATORS.register("gae", info=EstimatorInfo("critic", whitened=True))
 def gae_advantages_returns(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
                            lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation over one response (tokens,), as verl's compute_gae_advantage_return
@@ -325,7 +367,7 @@ def log_ratio(tokens: PolicyTokens) -> torch.Tensor:
 def is_weighted(loss: torch.Tensor, weights: torch.Tensor, loss_mode: str, tokens: PolicyTokens) -> torch.Tensor:
     """A policy loss times rollout correction's IS weights: token by token, or, for a loss of whole sequences
     (GMPO), by each sequence's geometric mean of its tokens' weights, as verl's."""
-    if POLICY_LOSSES.info[loss_mode].get("sequence_is_weight"):
+    if POLICY_LOSSES.info[loss_mode].sequence_is_weight:
         weights = torch.exp(tokens.sequence_mean(torch.log(weights + 1e-10)))
     return loss * weights
 
@@ -333,7 +375,7 @@ def is_weighted(loss: torch.Tensor, weights: torch.Tensor, loss_mode: str, token
 def loss_rows(has_loss_tokens: Sequence[bool], loss_mode: str) -> float:
     """The sequences a policy loss averages over: those with a loss token, or all of them for a loss that counts
     every row (GMPO: verl's torch.mean over the batch's rows, where mask_truncated_completions empties some)."""
-    return float(len(has_loss_tokens)) if POLICY_LOSSES.info[loss_mode].get("every_row") else float(sum(has_loss_tokens))
+    return float(len(has_loss_tokens)) if POLICY_LOSSES.info[loss_mode].every_row else float(sum(has_loss_tokens))
 
 
 def on_sequence(value: torch.Tensor, per_token_term: torch.Tensor, tokens: PolicyTokens) -> torch.Tensor:
@@ -370,7 +412,7 @@ def gspo_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float() * tokens.mask, torch.zeros_like(tokens.mask)
 
 
-@POLICY_LOSSES.register("sapo", agg_mode="seq-mean-token-mean")
+@POLICY_LOSSES.register("sapo", info=LossInfo(agg_mode="seq-mean-token-mean"))
 def sapo_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """SAPO: a smooth gate instead of the clip, -A (4 / tau) sigmoid(tau (r - 1)), tau_pos where A > 0 else
     tau_neg; always averaged per sequence first (seq-mean-token-mean), as verl's."""
@@ -393,7 +435,7 @@ def covariance(tokens: PolicyTokens) -> torch.Tensor:
     return (tokens.advantages - (tokens.advantages * mask).sum() / count) * (log_probs - (log_probs * mask).sum() / count)
 
 
-@POLICY_LOSSES.register("clip_cov", batch_local=True)
+@POLICY_LOSSES.register("clip_cov", info=LossInfo(batch_local=True))
 def clip_cov_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """Clip-Cov: PPO's clipped surrogate (no dual clip) with the gradient cut from a random clip_cov_ratio of the
     micro-batch's tokens whose advantage-logp covariance lies in (clip_cov_lb, clip_cov_ub), among those the clip
@@ -412,7 +454,7 @@ def clip_cov_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     return torch.maximum(unclipped, clipped) * keep, (keep == 0).float() * mask, torch.zeros_like(mask)
 
 
-@POLICY_LOSSES.register("kl_cov", batch_local=True)
+@POLICY_LOSSES.register("kl_cov", info=LossInfo(batch_local=True))
 def kl_cov_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """KL-Cov: the unclipped surrogate -A r, plus ppo_kl_coef |log r| on the kl_cov_ratio of the micro-batch's
     tokens with the largest advantage-logp covariance (at least one)."""
@@ -429,7 +471,7 @@ def kl_cov_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     return loss, penalized * mask, torch.zeros_like(mask)
 
 
-@POLICY_LOSSES.register("geo_mean", agg_mode="seq-mean-token-sum", sequence_is_weight=True, every_row=True)
+@POLICY_LOSSES.register("geo_mean", info=LossInfo(agg_mode="seq-mean-token-sum", sequence_is_weight=True, every_row=True))
 def geo_mean_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """GMPO: per sequence -A exp(mean_t clip_t(log r_t)), the geometric mean of the token ratios, each log-ratio
     clipped to [-low, high] on the side its advantage's sign pushes; A the sequence's mean advantage; averaged
@@ -489,7 +531,7 @@ def dppo_kl_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     return dppo_loss(tokens, settings, inside)
 
 
-@POLICY_LOSSES.register("bypass_mode", old_from_rollout=True)
+@POLICY_LOSSES.register("bypass_mode", info=LossInfo(old_from_rollout=True))
 def bypass_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """verl's rollout-correction bypass: the old log-probs are the rollout engine's (no old-policy pass). loss_type
     ppo_clip: PPO's clipped surrogate against them; reinforce: -A log pi weighted by the truncated importance

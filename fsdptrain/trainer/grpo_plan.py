@@ -168,7 +168,7 @@ def critic_batching(config: GRPOConfig, forward: bool) -> MicroBatching:
 def uses_critic(config: GRPOConfig) -> bool:
     """critic.enable, or where it is null, whether the advantage estimator needs a critic."""
     estimator = config.algorithm.adv_estimator
-    needed = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator]["kind"] == "critic"
+    needed = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator].needs_values
     return needed if config.critic.enable is None else config.critic.enable
 
 
@@ -208,15 +208,17 @@ def check_groups(config: GRPOConfig) -> None:
     """What compares the responses of one prompt needs two of them."""
     n, algorithm = config.actor_rollout_ref.rollout.n, config.algorithm
     estimator = algorithm.adv_estimator
-    kind = ADVANTAGE_ESTIMATORS.info.get(estimator, {}).get("kind")  # an unknown name is check_names' to report
-    if kind in ("group", "sources") and n < 2:
+    if estimator not in ADVANTAGE_ESTIMATORS:  # check_names' to report
+        return
+    needs = ADVANTAGE_ESTIMATORS.info[estimator]
+    if n < needs.min_group_size:
         raise ConfigError(f"algorithm.adv_estimator={estimator} compares responses of one prompt: {ROLLOUT}.n must be >= 2, got {n}")
     if algorithm.filter_groups.enable and n < 2:
         raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {n}")
-    if kind == "baseline" and (algorithm.reward_norm or algorithm.reward_clip):
+    if needs.needs_greedy_baseline and (algorithm.reward_norm or algorithm.reward_clip):
         raise ConfigError(f"algorithm.adv_estimator={estimator} subtracts the greedy response's score from the reward: "
                           "algorithm.reward_norm and reward_clip would put the two on different scales")
-    if kind == "optimal_token" and bypasses(config):
+    if needs.needs_sum_pi_squared and bypasses(config):
         raise ConfigError(f"algorithm.adv_estimator={estimator} needs each token's sum of squared probabilities from the old policy's "
                           "forward pass, which algorithm.rollout_correction.bypass_mode skips")
     if algorithm.reward_norm == "group" and n < 2:
@@ -237,7 +239,7 @@ def warn_about_estimates(config: GRPOConfig) -> None:
 
 
 def check_critic_estimator(config: GRPOConfig) -> None:
-    estimator, critic_estimators = config.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS.names(kind="critic")
+    estimator, critic_estimators = config.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS.names(needs_values=True)
     if estimator in critic_estimators and not uses_critic(config):
         raise ConfigError(f"algorithm.adv_estimator={estimator} needs the critic's values: remove critic.enable=false")
     if uses_critic(config) and estimator not in critic_estimators:
@@ -303,10 +305,15 @@ def reward_sources(config: GRPOConfig) -> tuple[tuple[str, float], ...]:
 
 
 def check_decoupled_sources(config: GRPOConfig) -> None:
-    """GDPO normalizes each source's own scores: a reward that is no source, or that changes the summed reward
-    token by token, would be left out (verl's GDPO drops them too), so it is refused."""
+    """An estimator of each source's own scores (GDPO) normalizes them: a reward that is no source, or that changes
+    the summed reward token by token, would be left out (verl's GDPO drops them too), so it is refused."""
     algorithm = config.algorithm
-    if algorithm.adv_estimator != "gdpo":
+    estimator = algorithm.adv_estimator
+    needs_sources = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator].needs_source_scores
+    if algorithm.gdpo_reward_keys is not None and not needs_sources:
+        raise ConfigError(f"algorithm.gdpo_reward_keys names the reward sources of an estimator that reads each (gdpo): "
+                          f"algorithm.adv_estimator={estimator} reads the summed score (set adv_estimator=gdpo, or drop the keys)")
+    if not needs_sources:
         return
     if reward_sources(config) and not (config.reward.sources or algorithm.gdpo_reward_keys):
         raise ConfigError("algorithm.adv_estimator=gdpo normalizes each reward source on its own: with the reward model or the remote "
@@ -496,14 +503,15 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
     bypass = bypasses(config)
     is_upper, is_lower = importance_bounds(correction.rollout_is_threshold)
-    optimal_token = ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "optimal_token"
+    needs = ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]
+    optimal_token = needs.needs_sum_pi_squared
     loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
                                 actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
                                 actor.tau_pos, actor.tau_neg, policy_loss.clip_cov_ratio, policy_loss.clip_cov_lb, policy_loss.clip_cov_ub,
                                 policy_loss.kl_cov_ratio, policy_loss.ppo_kl_coef, policy_loss.dro_beta, policy_loss.policy_drift_coef,
                                 correction.loss_type, correction.rollout_is, is_upper, is_lower)
-    loss = LossSettings(loss_mode, actor.loss_agg_mode, POLICY_LOSSES.info[loss_mode].get("agg_mode", actor.loss_agg_mode), policy,
+    loss = LossSettings(loss_mode, actor.loss_agg_mode, POLICY_LOSSES.info[loss_mode].agg_mode or actor.loss_agg_mode, policy,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.sft_loss_coef,
                         actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage)
     vllm = EngineSettings(memory_share(config, world), rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
@@ -551,7 +559,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                   and rollout_is is None and not rejection and not bypass and not optimal_token),
         add_ground_truth=rollout.add_gt,
         old_from_rollout=bypass,
-        greedy_baseline=ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]["kind"] == "baseline",
+        greedy_baseline=needs.needs_greedy_baseline,
         sum_pi_squared=optimal_token,
         agreement=agreement,
         correction=Correction(rollout_is, is_upper, is_lower, correction.rollout_is_batch_normalize, rejection),

@@ -77,8 +77,8 @@ def main() -> None:
         for loss_mode, agg_mode in itertools.product(POLICY_LOSSES, LOSS_AGG_MODES)
         # every aggregation with the default loss, two with the others (the aggregation follows the loss); a loss
         # that reads its micro-batch's statistics depends on the split; one with its own aggregation, once
-        if not POLICY_LOSSES.info[loss_mode].get("batch_local")
-        and (agg_mode == POLICY_LOSSES.info[loss_mode]["agg_mode"] if "agg_mode" in POLICY_LOSSES.info[loss_mode]
+        if not POLICY_LOSSES.info[loss_mode].batch_local
+        and (agg_mode == POLICY_LOSSES.info[loss_mode].agg_mode if POLICY_LOSSES.info[loss_mode].agg_mode
              else loss_mode == "vanilla" or agg_mode in ("token-mean", "seq-mean-token-mean"))
     }
     # the SFT term on the responses marked correct (token values `sft`), over their global token count
