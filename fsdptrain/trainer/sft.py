@@ -36,7 +36,7 @@ def train_step(model: nn.Module, micro_batches: list[list[Sample] | None], plan:
     # the GPU before collating the next micro-batch, leaving the GPU idle meanwhile.
     nll_total, tokens_total, seen = torch.zeros((), device=parallel.device), 0, 0
     for micro_batch in micro_batches:
-        batch = collate(micro_batch, plan.packed, pad_token_id, parallel)
+        batch = collate(micro_batch, plan.model.packed, pad_token_id, parallel)
         nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], plan.chunked_loss_tokens, parallel.ulysses_group)
         tokens = loss_tokens(micro_batch)
         if plan.balance_dp_token:
@@ -57,7 +57,7 @@ def validate(model: nn.Module, samples: Sequence[Sample], plan: SFTPlan, paralle
     mine = list(samples[parallel.dp_rank :: parallel.dp_size])
     nll_total, tokens_total = 0.0, 0
     micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
-    for micro_batch, batch in forward_batches(micro_batches, samples[:1], plan.packed, pad_token_id, parallel):
+    for micro_batch, batch in forward_batches(micro_batches, samples[:1], plan.model.packed, pad_token_id, parallel):
         nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], plan.chunked_loss_tokens, parallel.ulysses_group)
         if micro_batch is not None:
             nll_total += float(nll)

@@ -18,13 +18,12 @@ from fsdptrain.trainer.setup import ModelSpec
 
 @dataclass(frozen=True)
 class SFTPlan:
-    model: ModelSpec  # model.partial_pretrain, trained
+    model: ModelSpec  # model.partial_pretrain, trained (packed: use_remove_padding)
     trainer: SFTTrainerConfig
     data: DataConfig
     sp_size: int  # ulysses_sequence_parallel_size
     run_config: dict  # the whole config, as checkpoints and loggers record it
     micro_batching: MicroBatching
-    packed: bool  # use_remove_padding
     chunked_loss_tokens: int
     balance_dp_token: bool  # every loss token of a step weighs 1 / its global count (else verl's per-micro-batch means)
     clip_grad: float
@@ -70,4 +69,4 @@ def plan_sft(config: SFTConfig) -> SFTPlan:
     model = config.model
     spec = ModelSpec(model.partial_pretrain, model, model.fsdp_config, config.use_remove_padding, config.optim, model.lora("model"))
     return SFTPlan(spec, config.trainer, config.data, config.ulysses_sequence_parallel_size, asdict(config), micro_batching(config),
-                   config.use_remove_padding, model.chunked_loss_tokens, config.data.balance_dp_token, config.optim.clip_grad)
+                   model.chunked_loss_tokens, config.data.balance_dp_token, config.optim.clip_grad)
