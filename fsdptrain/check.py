@@ -46,7 +46,7 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
     from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
 
     config = read_grpo_config(composed("grpo_trainer", overrides), problems, world)
-    inputs = read_grpo_inputs(resolve_grpo(config, world))
+    inputs = read_grpo_inputs(*resolve_grpo(config, world))
     plan, data, actor = inputs.plan, config.data, config.actor_rollout_ref.actor
     n = plan.request.n
     dp = world.world_size // plan.sp_size

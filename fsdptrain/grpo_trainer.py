@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> None:
 
     with user_errors_reported():
         config = read_grpo_config(cfg, command_line_problems)
-        run_grpo(resolve_grpo(config, world_from_environment(config.trainer.device)))
+        run_grpo(*resolve_grpo(config, world_from_environment(config.trainer.device)))
 
 
 if __name__ == "__main__":

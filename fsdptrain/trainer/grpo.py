@@ -230,10 +230,10 @@ class GRPOInputs:
     loops: dict[str, Loop]  # the agent loops the rows name, built (and so checked) before the engine they are given exists
 
 
-def read_grpo_inputs(plan: GRPOPlan) -> GRPOInputs:
+def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPOInputs:
+    """What the plan names, read with the policy's `tokenizer` (resolve_grpo's)."""
     spec, data = plan.actor_model, plan.data
     check_files_exist({"data.train_files": data.train_files, "data.val_files": data.val_files})
-    tokenizer = load_tokenizer(spec.path, "actor_rollout_ref.model.path", spec.model)
     tools = load_tools(plan.tools_file) if plan.tools_file else {}
     interactions = load_interactions(plan.interactions_file) if plan.interactions_file else {}
     hf_config = load_model_config(spec.path, "actor_rollout_ref.model.path", spec.model, plan.sp_size)
@@ -257,8 +257,8 @@ def read_grpo_inputs(plan: GRPOPlan) -> GRPOInputs:
                       loops=loops)
 
 
-def run_grpo(plan: GRPOPlan) -> None:
-    inputs = read_grpo_inputs(plan)
+def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
+    inputs = read_grpo_inputs(plan, tokenizer)
     tokenizer, hf_config, train, val, total_steps, trainer = (inputs.tokenizer, inputs.hf_config, inputs.train, inputs.val, inputs.total_steps,
                                                               plan.trainer)
     parallel = start_run(trainer, plan.sp_size, plan.nccl_timeout)

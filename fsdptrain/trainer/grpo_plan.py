@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.config.base import check_packages, one_of, read_config
 from fsdptrain.config.grpo import (
@@ -486,10 +487,12 @@ def memory_share(config: GRPOConfig, world: World) -> float:
     return GPU_MEMORY_UTILIZATION
 
 
-def resolve_grpo(config: GRPOConfig, world: World) -> GRPOPlan:
-    """The run's plan, from a config that `read_grpo_config` has checked, with the pad id of the policy's tokenizer."""
+def resolve_grpo(config: GRPOConfig, world: World) -> tuple[GRPOPlan, PreTrainedTokenizerBase]:
+    """The run's plan, from a config that `read_grpo_config` has checked, and the policy's tokenizer, whose pad id
+    the plan takes (handed on: the run reads its inputs with it)."""
     model = config.actor_rollout_ref.model
-    return plan_grpo(config, world, load_tokenizer(model.path, "actor_rollout_ref.model.path", model).pad_token_id)
+    tokenizer = load_tokenizer(model.path, "actor_rollout_ref.model.path", model)
+    return plan_grpo(config, world, tokenizer.pad_token_id), tokenizer
 
 
 # long: one settings object per component, each a few lines; split up, the plan's shape would be spread over files
