@@ -521,12 +521,13 @@ def console_steps(stdout: str) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the examples roll out with vLLM, which is not installed")
-@pytest.mark.parametrize("script", ["grpo_trainer/run_qwen3_8b_fsdp.sh", "ppo_trainer/run_qwen3_8b_fsdp.sh",
-                                    "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh"], ids=["grpo", "ppo", "reward-model"])
-def test_verl_09s_examples_train_two_steps(tmp_path, tokenizer, rl_data, script):
-    """verl 0.9.0's GRPO (KL loss, the reference offloaded between its forwards), PPO (a critic in verl 0.9's
-    critic.fsdp section) and reward-model (verl 0.9's reward.reward_model section) examples as bash computes them,
-    vLLM rollouts, on 2 CPU processes with the launcher, paths and sizes changed: check passes, then two steps each."""
+@pytest.mark.parametrize("script", ["ppo_trainer/run_qwen3_8b_fsdp.sh", "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh"],
+                         ids=["ppo", "reward-model"])
+def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, rl_data, script):
+    """verl 0.9.0's PPO (a critic in verl 0.9's critic.fsdp section) and reward-model (verl 0.9's
+    reward.reward_model section) examples as bash computes them, vLLM rollouts, on 2 CPU processes with the launcher,
+    paths and sizes changed: check passes, then a step each (GRPO with the KL loss and the reference offloaded is
+    test_verls_example_trains_two_steps's, on the script it grew from)."""
     from test_reward_model import save_reward_model
 
     model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
@@ -538,12 +539,12 @@ def test_verl_09s_examples_train_two_steps(tmp_path, tokenizer, rl_data, script)
         local = {"reward.reward_model.model_path": save_reward_model(tmp_path / "rm", tokenizer), "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2}
     out = str(tmp_path / "run")
-    args = v09_example(script, model, rl_data, out, **local)
+    args = v09_example(script, model, rl_data, out, **{**local, "trainer.total_training_steps": 1, "trainer.test_freq": 1})
     assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0  # what a user runs first
     result = torchrun(2, "fsdptrain.grpo_trainer", args)
     lines = console_steps(result.stdout)
-    assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
-    key = "critic/vf_loss" if script.startswith("ppo") else "critic/score/mean" if "skyworkrm" in script else "actor/kl_loss"
+    assert [int(step) for step, _ in lines] == [1], result.stdout[-3000:]
+    key = "critic/vf_loss" if script.startswith("ppo") else "critic/score/mean"
     assert all(key in line and "actor/pg_loss" in line for _, line in lines), lines
 
 
