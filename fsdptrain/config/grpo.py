@@ -392,28 +392,33 @@ RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 RS_OPTIONS = tuple(f"{level}_{kind}" for level in RS_LEVELS for kind in ("k1", "k2", "k3") if (level, kind) != ("seq_max", "k1"))
 
 
-def bound(key: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{key}: {text!r} is not a number") from None
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {text}")
-    return value
+def ratio_bounds(key: str, spec: Any) -> tuple[float | None, float]:
+    """A threshold in verl's grammar, "upper" or "lower_upper", as (lower or None, upper): positive numbers, lower
+    no more than upper."""
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"{key}: {text!r} is not a number") from None
+        positive(key, value)
+        return value
+
+    lower, _, upper = str(spec).strip().rpartition("_")
+    upper_value = number(upper)
+    if not lower:
+        return None, upper_value
+    lower_value = number(lower)
+    if lower_value > upper_value:
+        raise ConfigError(f"{key}={spec}: the lower bound exceeds the upper")
+    return lower_value, upper_value
 
 
 def importance_bounds(threshold: Any) -> tuple[float, float | None]:
     """algorithm.rollout_correction.rollout_is_threshold as (upper, lower): a number caps the weights (truncated
     IS); "lower_upper" zeroes those outside (IcePop), as verl's."""
-    key = "algorithm.rollout_correction.rollout_is_threshold"
-    lower, _, upper = str(threshold).strip().rpartition("_")
-    upper_value = bound(key, upper)
-    if not lower:
-        return upper_value, None
-    lower_value = bound(key, lower)
-    if lower_value > upper_value:
-        raise ConfigError(f"{key}={threshold}: the lower bound exceeds the upper")
-    return upper_value, lower_value
+    lower, upper = ratio_bounds("algorithm.rollout_correction.rollout_is_threshold", threshold)
+    return upper, lower
 
 
 def rejection_options(options: str | None, thresholds: Any) -> list[tuple[str, str, float | None, float]]:
@@ -438,17 +443,13 @@ def rejection_options(options: str | None, thresholds: Any) -> list[tuple[str, s
     rules = []
     for name, spec in zip(names, specs * len(names) if len(specs) == 1 else specs):
         level, kind = name.rsplit("_", 1)
-        lower, _, upper = spec.rpartition("_")
+        low, high = ratio_bounds(threshold_key, spec)
         if kind != "k1":
-            if lower:
+            if low is not None:
                 raise ConfigError(f"{threshold_key}: {name} takes an upper bound alone, got {spec!r}")
-            rules.append((level, kind, None, bound(threshold_key, upper)))
-            continue
-        high = bound(threshold_key, upper)
-        low = bound(threshold_key, lower) if lower else 1.0 / high
-        if low > high:
-            raise ConfigError(f"{threshold_key}: {name}'s lower bound exceeds its upper ({spec})")
-        rules.append((level, kind, math.log(low), math.log(high)))
+            rules.append((level, kind, None, high))
+        else:
+            rules.append((level, kind, math.log(low if low is not None else 1.0 / high), math.log(high)))
     return rules
 
 

@@ -111,8 +111,7 @@ def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[s
     if any(key.startswith(m + ".") for m in open_mappings):  # a new key of a mapping (verl's `+`): Hydra adds it, or sets it if present
         return "key", "", f"++{key}={value}"
     if entry is None:
-        close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
-        return "unknown", f"not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""), None
+        return unknown(key, trainer, leaves)
     if "mapped" in entry:
         return "mapped", f"verl's {key} is fsdptrain's {entry['mapped']}", f"{entry['mapped']}={value}"
     if "accepted" in entry:
@@ -139,6 +138,10 @@ def deletion(key: str, trainer: str, leaves: set[str], open_mappings: set[str], 
         return "accepted", f"changes nothing here: {key} takes no null, so fsdptrain's default stays", None
     if entry is not None:
         return "accepted", "changes nothing here: the key asks for nothing built here, so there is nothing to remove", None
+    return unknown(key, trainer, leaves)
+
+
+def unknown(key: str, trainer: str, leaves: set[str]) -> tuple[str, str, None]:
     close = difflib.get_close_matches(key, sorted(leaves), n=1, cutoff=0.6)
     return "unknown", f"not a key of fsdptrain's {trainer}_trainer.yaml" + (f" (did you mean {close[0]}?)" if close else ""), None
 

@@ -543,10 +543,7 @@ def bypass_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
         raw = (tokens.log_probs - tokens.old_log_probs).detach() * tokens.mask
         if settings.rollout_is == "sequence":
             raw = tokens.sequence_mean(raw) * tokens.sequence_tokens
-        weights = torch.exp(raw.clamp(-20.0, 20.0))
-        upper, lower = settings.rollout_is_threshold, settings.rollout_is_lower
-        weights = weights.clamp(max=upper) if lower is None else torch.where((weights >= lower) & (weights <= upper), weights, 0.0)
-        loss = loss * weights * tokens.mask
+        loss = loss * bounded(torch.exp(raw.clamp(-20.0, 20.0)), settings.rollout_is_threshold, settings.rollout_is_lower) * tokens.mask
     return loss, torch.zeros_like(tokens.mask), torch.zeros_like(tokens.mask)
 
 
@@ -597,8 +594,12 @@ def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     if level == "sequence":
         log_ratio = log_ratio.sum().expand_as(mask)
     raw = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    weights = raw.clamp(max=upper) if lower is None else torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
-    return weights * mask, raw
+    return bounded(raw, upper, lower) * mask, raw
+
+
+def bounded(weights: torch.Tensor, upper: float, lower: float | None) -> torch.Tensor:
+    """Importance weights capped at `upper` (truncated IS), or with `lower`, zero outside [lower, upper] (IcePop)."""
+    return weights.clamp(max=upper) if lower is None else torch.where((weights >= lower) & (weights <= upper), weights, torch.zeros_like(weights))
 
 
 # Each divergence of rollout_rs, from the log-ratio log(pi_old / pi_rollout): k1 the log-ratio of the engine to the

@@ -205,6 +205,12 @@ def bypasses(config: GRPOConfig) -> bool:
     return config.algorithm.rollout_correction.bypass_mode or config.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode"
 
 
+def corrects_rollouts(config: GRPOConfig) -> bool:
+    """Whether rollout correction is on in any form (weights, rejection, bypass): it reads the engine's log-probs."""
+    correction = config.algorithm.rollout_correction
+    return correction.rollout_is is not None or correction.rollout_rs is not None or bypasses(config)
+
+
 def check_groups(config: GRPOConfig) -> None:
     """What compares the responses of one prompt needs two of them."""
     n, algorithm = config.actor_rollout_ref.rollout.n, config.algorithm
@@ -231,9 +237,7 @@ def warn_about_estimates(config: GRPOConfig) -> None:
     if algorithm.use_kl_in_reward and config.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
                       "reference: it is counted twice", stacklevel=3)
-    correction = algorithm.rollout_correction
-    corrects = correction.rollout_is is not None or correction.rollout_rs is not None or bypasses(config)
-    if corrects and (rollout.top_p < 1 or rollout.top_k > 0):
+    if corrects_rollouts(config) and (rollout.top_p < 1 or rollout.top_k > 0):
         warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
                       "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
                       stacklevel=3)
@@ -357,9 +361,7 @@ def check_reference_sync(config: GRPOConfig) -> None:
 
 def wants_sampling_log_probs(config: GRPOConfig) -> bool:
     """Whether the step reads the engine's sampling log-probs (kept, compared or trained on)."""
-    rollout = config.actor_rollout_ref.rollout
-    correction = config.algorithm.rollout_correction
-    return rollout.calculate_log_probs or correction.rollout_is is not None or correction.rollout_rs is not None or bypasses(config)
+    return config.actor_rollout_ref.rollout.calculate_log_probs or corrects_rollouts(config)
 
 
 def check_beam_search(config: GRPOConfig) -> None:
@@ -505,6 +507,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     use_kl_in_reward = algorithm.use_kl_in_reward
     correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
     bypass = bypasses(config)
+    needs_reference = actor.use_kl_loss or use_kl_in_reward
     is_upper, is_lower = importance_bounds(correction.rollout_is_threshold)
     needs = ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]
     optimal_token = needs.needs_sum_pi_squared
@@ -547,7 +550,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         update_batching=actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"),
         log_prob_batching=actor_batching(config, rollout.log_prob_micro_batch_size_per_gpu, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
         ref_batching=actor_batching(config, ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
-        needs_reference=actor.use_kl_loss or use_kl_in_reward,
+        needs_reference=needs_reference,
         reference_sync=ReferenceSync(ref.ref_model_sync_steps, ref.ref_model_mixup_alpha) if ref.sync_ref_model else None,
         engine=engine, engine_name=rollout.name,
         request=RolloutRequest(rollout.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, rollout.temperature,
@@ -580,7 +583,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         trainer=trainer, data=data, run_config=asdict(config), nccl_timeout=config.actor_rollout_ref.nccl_timeout,
         actor_model=ModelSpec(model.path, model, actor.fsdp_config, model.use_remove_padding, actor.optim, model.lora("actor_rollout_ref.model")),
         reference_model=(ModelSpec(model.path, model, frozen_fsdp(actor.fsdp_config, ref.fsdp_config), model.use_remove_padding)
-                         if (actor.use_kl_loss or use_kl_in_reward) and not model.lora_rank else None),
+                         if needs_reference and not model.lora_rank else None),
         critic_model=(ModelSpec(config.critic.model.path, config.critic.model, config.critic.model.fsdp_config, config.critic.model.use_remove_padding,
                                 config.critic.optim) if critic is not None else None),
         reward=reward_plan(config),
