@@ -24,7 +24,7 @@ from conftest import REPO, assert_same_run, free_port, latest_checkpoint, read_m
 pytestmark = pytest.mark.slow
 
 STEPS = 9
-TIMEOUT_S = 30
+TIMEOUT_S = 15
 RUN = dict(trainer__total_training_steps=STEPS, trainer__save_freq=3, trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]",
            model__fsdp_config__fsdp_size=2, trainer__nccl_timeout=TIMEOUT_S, data__micro_batch_size_per_gpu=1)
 

@@ -3,10 +3,8 @@ values and gradients against a plain transformers model and the same whatever th
 critic metric and warm-up, its checkpoint with the critic, exact resume, learning, and verl's PPO example scripts
 as written. (GAE and the value loss against verl's formulas: test_core_algos.py.)"""
 
-import importlib.util
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -222,18 +220,3 @@ def test_ppo_settings_that_cannot_work_are_named():
     with pytest.raises(ConfigError, match="needs the critic's values"):
         load("algorithm.adv_estimator=gae", "critic.enable=false")
     assert not uses_critic(load()) and uses_critic(load("algorithm.adv_estimator=gae"))
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
-def test_verls_ppo_example_trains_two_steps(tmp_path, tokenizer, rl_data):
-    """verl's DeepSeek-7B PPO example as written (vLLM rollouts, a packed actor beside a padded critic, gradient
-    checkpointing) on 2 CPU processes, with the launcher, model, paths and sizes changed."""
-    model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                            num_key_value_heads=1)
-    out = str(tmp_path / "run")
-    result = torchrun(2, "fsdptrain.grpo_trainer", ppo_example("run_deepseek7b_llm.sh", model, rl_data, out))
-    lines = re.findall(r"^step (\d+) \| (?!plots:)(.*)$", result.stdout, re.MULTILINE)
-    assert [int(step) for step, _ in lines] == [1, 2], result.stdout[-3000:]
-    for _, line in lines:
-        assert "critic/vf_loss" in line and "actor/pg_loss" in line and "training/rollout_probs_diff_max" in line

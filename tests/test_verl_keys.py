@@ -524,7 +524,7 @@ def console_steps(stdout: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("script", ["ppo_trainer/run_qwen3_8b_fsdp.sh", "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh"],
                          ids=["ppo", "reward-model"])
 def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, rl_data, script):
-    """verl 0.9.0's PPO (a critic in verl 0.9's critic.fsdp section) and reward-model (verl 0.9's
+    """verl 0.9.0's PPO (a critic in verl 0.9's critic.fsdp section, padded) and reward-model (verl 0.9's
     reward.reward_model section) examples as bash computes them, vLLM rollouts, on 2 CPU processes with the launcher,
     paths and sizes changed: check passes, then a step each (GRPO with the KL loss and the reference offloaded is
     test_verls_example_trains_two_steps's, on the script it grew from)."""
@@ -534,7 +534,8 @@ def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, rl_data, script):
                             num_key_value_heads=1)
     local = {}
     if script.startswith("ppo"):
-        local = {"critic.model.path": model, "critic.ppo_max_token_len_per_gpu": 512}
+        # a padded critic beside the packed actor, as verl's older PPO examples ran it
+        local = {"critic.model.path": model, "critic.ppo_max_token_len_per_gpu": 512, "critic.model.use_remove_padding": False}
     if "skyworkrm" in script:
         local = {"reward.reward_model.model_path": save_reward_model(tmp_path / "rm", tokenizer), "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2}
@@ -545,7 +546,7 @@ def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, rl_data, script):
     lines = console_steps(result.stdout)
     assert [int(step) for step, _ in lines] == [1], result.stdout[-3000:]
     key = "critic/vf_loss" if script.startswith("ppo") else "critic/score/mean"
-    assert all(key in line and "actor/pg_loss" in line for _, line in lines), lines
+    assert all(key in line and "actor/pg_loss" in line and "training/rollout_probs_diff_max" in line for _, line in lines), lines
 
 
 @pytest.mark.slow
