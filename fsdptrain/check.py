@@ -45,17 +45,17 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
     from fsdptrain.trainer.grpo import read_grpo_inputs
     from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
 
-    config = read_grpo_config(composed("grpo_trainer", overrides), problems, world)
-    inputs = read_grpo_inputs(*resolve_grpo(config, world))
-    plan, data, actor = inputs.plan, config.data, config.actor_rollout_ref.actor
+    inputs = read_grpo_inputs(*resolve_grpo(read_grpo_config(composed("grpo_trainer", overrides), problems, world), world))
+    plan, data = inputs.plan, inputs.plan.data
     n = plan.request.n
     dp = world.world_size // plan.sp_size
+    per_rank = data.train_batch_size // dp
     return [
         processes(world, plan.sp_size),
         f"training prompts: {len(inputs.train)} (validation: {len(inputs.val)}); steps: {inputs.total_steps}",
         f"a step: {data.train_batch_size} prompts x {n} responses = {data.train_batch_size * n} sequences, "
-        f"{data.train_batch_size // dp} prompts a data-parallel rank; {data.train_batch_size // actor.ppo_mini_batch_size} optimizer "
-        f"step(s) x {actor.ppo_epochs} epoch(s) of {plan.update.mini_batch_sequences} sequences a rank",
+        f"{per_rank} prompts a data-parallel rank; {per_rank * n // plan.update.mini_batch_sequences} optimizer "
+        f"step(s) x {plan.update.ppo_epochs} epoch(s) of {plan.update.mini_batch_sequences} sequences a rank",
         f"the update: {micro_batches(plan.update_batching)}; old log-probs: {micro_batches(plan.log_prob_batching)}",
         f"a sequence: at most {plan.sequence_length} tokens ({data.max_prompt_length} prompt + {data.max_response_length} response); "
         f"a step at most {data.train_batch_size * n * plan.sequence_length} tokens",
@@ -68,9 +68,8 @@ def sft_sizes(overrides: list[str], problems: list[str], world: World) -> list[s
     from fsdptrain.trainer.sft import read_sft_inputs
     from fsdptrain.trainer.sft_plan import plan_sft, read_sft_config
 
-    config = read_sft_config(composed("sft_trainer", overrides), problems, world)
-    inputs = read_sft_inputs(plan_sft(config))
-    data, sp = config.data, config.ulysses_sequence_parallel_size
+    inputs = read_sft_inputs(plan_sft(read_sft_config(composed("sft_trainer", overrides), problems, world)))
+    data, sp = inputs.plan.data, inputs.plan.sp_size
     dp = world.world_size // sp
     return [
         processes(world, sp),

@@ -31,24 +31,24 @@ from fsdptrain.rl.agent.loop import AGENT_LOOPS, LoopContext, MultiTurnSettings
 from fsdptrain.rl.agent.tools import load_tools, tool_schemas
 from fsdptrain.rl.data import load_prompts
 from fsdptrain.rl.rewards import VERIFIERS, load_reward_function, score_responses
-from fsdptrain.rl.rollout.base import RolloutEngine
-from fsdptrain.rl.rollout.hf import HFRollout
+from fsdptrain.rl.rollout import ROLLOUT_ENGINES, build_rollout
+from fsdptrain.rl.rollout.base import EnginePlacement, EngineSpec, RolloutEngine, engine_settings
 from fsdptrain.rl.sampling import RolloutRequest
 from fsdptrain.rl.validation import RANKING_KS, evaluate, mean_and_se, ranking_values, summarize
 
 
 def build_engine(backend: str, model_dir: str, tokenizer: PreTrainedTokenizerBase, max_model_len: int, seed: int, device: torch.device,
                  dtype: torch.dtype, beams: bool = False, catalog: str | None = None) -> RolloutEngine:
-    """One process's engine on `device`: transformers' generate (with `beams`, beam search, constrained to the
-    `catalog`'s items), or vLLM (`backend`)."""
-    if backend == "vllm":
-        from fsdptrain.rl.rollout.vllm import EngineSettings, VLLMRollout
-
-        settings = EngineSettings(gpu_memory_utilization=0.5 if device.type == "cuda" else 0.1, max_num_seqs=256, max_num_batched_tokens=8192,
-                                  enable_chunked_prefill=True, enforce_eager=True, load_format="auto")
-        return VLLMRollout(model_dir, dtype, max_model_len, seed, settings, distributed=False, free_cache_engine=False)
+    """One process's engine `backend` (a registered rollout engine) on `device`, with its own settings' defaults
+    but for `beams` (its beam search) and `catalog` (its responses constrained to the catalog's items); an engine
+    that sizes its memory takes a share that leaves the host or GPU room for more."""
+    info = ROLLOUT_ENGINES.info[backend]
+    wanted = {"beam_search": beams, "catalog_file": catalog, "gpu_memory_utilization": 0.5 if device.type == "cuda" else 0.1}
+    settings = info.check(engine_settings(info, wanted), EnginePlacement(device, engines_on_host=1))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFRollout(model_dir, device, dtype, pad, free_cache_engine=False, beams=beams, catalog_file=catalog)
+    spec = EngineSpec(model_dir, dtype, device, pad, trust_remote_code=False, max_model_len=max_model_len, seed=seed, tensor_parallel_size=1,
+                      free_cache_engine=False, settings=settings, distributed=False)
+    return build_rollout(backend, spec)
 
 
 def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], dict[str, str | None]]:
@@ -56,7 +56,7 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir")
     parser.add_argument("data", nargs="+", help="RL parquet file(s) in verl's layout")
-    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers generate, or vLLM where installed")
+    parser.add_argument("--backend", choices=list(ROLLOUT_ENGINES), default="hf", help="the rollout engine: hf (transformers), or vllm where installed")
     parser.add_argument("--n", type=int, default=1, help="responses per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -85,8 +85,8 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
         parser.error("no data file given")
     if args.n < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         parser.error("--n, --max-new-tokens and --batch-size must be >= 1")
-    if args.beams is not None and (args.beams < 1 or args.backend != "hf" or args.tool_config):
-        parser.error("--beams must be >= 1, on the hf backend, without --tool-config")
+    if args.beams is not None and (args.beams < 1 or not ROLLOUT_ENGINES.info[args.backend].beams or args.tool_config):
+        parser.error(f"--beams must be >= 1, on a backend with beam search ({', '.join(ROLLOUT_ENGINES.names(beams=True))}), without --tool-config")
     if (args.catalog or args.paired_with) and args.beams is None:
         parser.error("--catalog and --paired-with go with --beams")
     return args, files, keys

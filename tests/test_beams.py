@@ -147,11 +147,11 @@ def test_constrained_sampling_answers_with_items_and_the_trainers_log_probs(tiny
 
 
 def test_beam_settings_that_cannot_work_are_refused(catalog_file):
-    assert "the hf engine's decoding: actor_rollout_ref.rollout.name=vllm" in grpo_config_problems(
+    assert "actor_rollout_ref.rollout.name=vllm takes no prefix constraint here (engines that do: hf)" in grpo_config_problems(
         f"actor_rollout_ref.rollout.catalog_file={catalog_file}", "actor_rollout_ref.rollout.name=vllm")
     assert "the catalog constrains a one-turn answer" in grpo_config_problems(f"actor_rollout_ref.rollout.catalog_file={catalog_file}",
                                                                                "actor_rollout_ref.rollout.multi_turn.enable=true")
-    assert "runs on the hf engine" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true", "actor_rollout_ref.rollout.name=vllm")
+    assert "name=vllm has no beam search here (engines that do: hf)" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true", "actor_rollout_ref.rollout.name=vllm")
     assert "gives no sampling log-probs" in grpo_config_problems("actor_rollout_ref.rollout.beam_search=true",
                                                                  "actor_rollout_ref.rollout.calculate_log_probs=true")
     assert "add_gt=true puts a response no engine sampled" in grpo_config_problems("actor_rollout_ref.rollout.add_gt=true",

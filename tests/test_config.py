@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException
 from fsdptrain.data.micro_batches import check_batch_layout
 from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
-from fsdptrain.trainer.grpo_plan import check_layout, plan_grpo, read_grpo_config, resolve_reward_function
+from fsdptrain.trainer.grpo_plan import check_layout, derive, plan_grpo, read_grpo_config, resolve_reward_function
 from fsdptrain.trainer.sft_plan import micro_batching, read_sft_config
 
 from conftest import REPO, torchrun
@@ -183,19 +183,19 @@ def test_bad_grpo_values_are_named(overrides, message):
 def test_an_engine_must_span_whole_groups_of_ranks():
     config = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                          "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6")
-    check_layout(config, world(2))
+    check_layout(config, world(2), derive(config))
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size \(2\) must divide the number of processes \(3\)"):
-        check_layout(config, world(3))
+        check_layout(config, world(3), derive(config))
 
 
 def test_vllm_engines_on_cpu_may_not_take_the_training_processes_memory():
     config = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.5")  # right for one engine a GPU
-    check_layout(config, world(2))
-    check_layout(config, world(1, host_processes=1))
+    check_layout(config, world(2), derive(config))
+    check_layout(config, world(1, host_processes=1), derive(config))
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.5 on CPU: each of this host's 2 vLLM engines .* at most 0.40"):
-        check_layout(config, world(2, host_processes=2))
-    check_layout(grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"),
-                 world(2, host_processes=2))
+        check_layout(config, world(2, host_processes=2), derive(config))
+    config = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4")
+    check_layout(config, world(2, host_processes=2), derive(config))
 
 
 def test_newer_verls_reward_keys_are_accepted():
@@ -230,11 +230,11 @@ def test_the_default_vllm_memory_share_fits_the_machine(tp, host_processes, devi
     config = grpo_config("actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
                          "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
     machine = World(0, host_processes, host_processes, torch.device(device))
-    check_layout(config, machine)
+    check_layout(config, machine, derive(config))
     plan = plan_grpo(config, machine, pad_id=0)
-    assert plan.engine.vllm.gpu_memory_utilization == pytest.approx(share)
+    assert plan.engine.settings.gpu_memory_utilization == pytest.approx(share)
     explicit = grpo_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.1")
-    assert plan_grpo(explicit, machine, pad_id=0).engine.vllm.gpu_memory_utilization == 0.1
+    assert plan_grpo(explicit, machine, pad_id=0).engine.settings.gpu_memory_utilization == 0.1
 
 
 @pytest.mark.parametrize("flags, capability, isa, device, expected", [

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from fsdptrain.rl import core_algos
-from fsdptrain.rl.core_algos import GroupSettings, PolicyLossSettings, PolicyTokens
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, EstimatorBatch, PolicyLossSettings, PolicyTokens
+
+
+def per_response(estimator: str, scores: torch.Tensor, groups: torch.Tensor, **settings) -> torch.Tensor:
+    """A group estimator's advantage of each response, each one token long."""
+    advantages, _ = ADVANTAGE_ESTIMATORS[estimator](EstimatorBatch(scores[:, None], torch.ones(len(scores), 1), groups, **settings))
+    return advantages[:, 0]
 
 
 def test_grpo_advantages_by_hand():
@@ -15,21 +21,27 @@ def test_grpo_advantages_by_hand():
     groups = torch.tensor([0, 0, 0, 0, 1])
     std = math.sqrt(1 / 3)  # Bessel's: four scores ±0.5 around 0.5
     expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0.5]) / torch.tensor([std + 1e-6] * 4 + [1 + 1e-6])
-    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "grpo"), expected)
-    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "grpo", GroupSettings(norm_by_std=False)),
+    torch.testing.assert_close(per_response("grpo", scores, groups), expected)
+    torch.testing.assert_close(per_response("grpo", scores, groups, norm_by_std=False),
                                torch.tensor([0.5, -0.5, -0.5, 0.5, 0.5]))  # Dr. GRPO: no std, a lone sample keeps its score
-    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.5]))
-    torch.testing.assert_close(core_algos.group_advantages(scores, groups, "rloo_vectorized"),
+    torch.testing.assert_close(per_response("rloo", scores, groups), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.5]))
+    torch.testing.assert_close(per_response("rloo_vectorized", scores, groups),
                                torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0]))  # verl's vectorized form: 0 for a lone sample
+
+
+def reinforce_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++'s returns of one response."""
+    returns, _ = ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](EstimatorBatch(rewards[None], mask[None], torch.zeros(1), gamma=gamma))
+    return returns[0]
 
 
 def test_reinforce_plus_plus_returns_and_whitening():
     rewards, mask = torch.tensor([0.0, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 0.0])
-    torch.testing.assert_close(core_algos.discounted_returns(rewards, mask, 0.5), torch.tensor([0.25, 0.5, 1.0, 0.0]))
+    torch.testing.assert_close(reinforce_returns(rewards, mask, 0.5), torch.tensor([0.25, 0.5, 1.0, 0.0]))
     # A multi-turn trajectory: turn 1 (2 tokens), a tool's 2 tokens (mask 0), turn 2 (2 tokens, the reward on its
     # last). The return runs across the tool's tokens, undiscounted there, and is 0 on them.
     rewards, mask = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
-    torch.testing.assert_close(core_algos.discounted_returns(rewards, mask, 0.5), torch.tensor([0.125, 0.25, 0.0, 0.0, 0.5, 1.0]))
+    torch.testing.assert_close(reinforce_returns(rewards, mask, 0.5), torch.tensor([0.125, 0.25, 0.0, 0.0, 0.5, 1.0]))
     values = torch.tensor([1.0, 2.0, 3.0, 4.0])
     mean, variance = core_algos.batch_moments(values, torch.ones(4), lambda sums: sums)
     assert (mean, variance) == (2.5, 5 / 3)
@@ -174,7 +186,7 @@ def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
 def test_gae_equals_verls_on_random_padded_batches_with_tool_tokens(gamma, lam):
     """Responses of different lengths (padding after the end), some with a run of tool tokens (mask 0) inside;
-    the reward on the last generated token. One response at a time here, whitened over the batch's sums."""
+    the reward on the last generated token. Whitened over the batch."""
     g = torch.Generator().manual_seed(3)
     lengths, width = [7, 4, 9, 1], 9
     rewards, values, mask = torch.zeros(4, width), torch.randn(4, width, generator=g), torch.zeros(4, width)
@@ -184,22 +196,19 @@ def test_gae_equals_verls_on_random_padded_batches_with_tool_tokens(gamma, lam):
             mask[row, 2:4] = 0  # a tool's tokens between two turns
         rewards[row, length - 1] = float(torch.rand((), generator=g))
     expected_advantages, expected_returns = verl_gae(rewards, values, mask, gamma, lam)
-    per_row = [core_algos.gae_advantages_returns(rewards[r, :n], values[r, :n], mask[r, :n], gamma, lam) for r, n in enumerate(lengths)]
-    flat = torch.cat([a for a, _ in per_row])
-    flat_mask = torch.cat([mask[r, :n] for r, n in enumerate(lengths)])
-    mean, variance = core_algos.batch_moments(flat, flat_mask, lambda sums: sums)
-    for row, (n, (advantages, returns)) in enumerate(zip(lengths, per_row)):
-        whitened = core_algos.masked_whiten(advantages, mask[row, :n], mean, variance)
-        torch.testing.assert_close(whitened, expected_advantages[row, :n], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(returns * mask[row, :n], expected_returns[row, :n] * mask[row, :n], rtol=1e-6, atol=1e-6)
+    advantages, returns = ADVANTAGE_ESTIMATORS["gae"](EstimatorBatch(rewards, mask, torch.arange(4), gamma=gamma, lam=lam, values=values))
+    mean, variance = core_algos.batch_moments(advantages.flatten(), mask.flatten(), lambda sums: sums)
+    torch.testing.assert_close(core_algos.masked_whiten(advantages, mask, mean, variance), expected_advantages * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns * mask, expected_returns * mask, rtol=1e-6, atol=1e-6)
 
 
 def test_gae_by_hand():
     """Two tokens, reward 1 on the last, V = (0.5, 0.2), gamma 0.9, lambda 0.5: delta = (0 + 0.9 * 0.2 - 0.5,
     1 - 0.2) = (-0.32, 0.8); A = (-0.32 + 0.45 * 0.8, 0.8) = (0.04, 0.8); returns A + V = (0.54, 1.0)."""
-    advantages, returns = core_algos.gae_advantages_returns(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.2]), torch.ones(2), 0.9, 0.5)
-    torch.testing.assert_close(advantages, torch.tensor([0.04, 0.8]))
-    torch.testing.assert_close(returns, torch.tensor([0.54, 1.0]))
+    batch = EstimatorBatch(torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), torch.zeros(1), gamma=0.9, lam=0.5, values=torch.tensor([[0.5, 0.2]]))
+    advantages, returns = ADVANTAGE_ESTIMATORS["gae"](batch)
+    torch.testing.assert_close(advantages, torch.tensor([[0.04, 0.8]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.54, 1.0]]))
 
 
 def verl_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode):

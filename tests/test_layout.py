@@ -27,9 +27,11 @@ def modules() -> dict[str, ast.Module]:
 
 
 def imports(tree: ast.Module, known: set[str]) -> set[str]:
-    """The project modules a module imports at its top level (imports inside functions are deferred on purpose)."""
+    """The project modules a module imports at its top level, those for type checking included (imports inside
+    functions are deferred on purpose)."""
     found = set()
-    for node in tree.body:
+    type_checking = [node.body for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")]
+    for node in [*tree.body, *(n for body in type_checking for n in body)]:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdptrain"):
             for alias in node.names:
                 found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module)
@@ -154,7 +156,7 @@ def test_a_registered_name_is_accepted_without_touching_the_config(tmp_path):
     keys = {"algorithm.adv_estimator": ADVANTAGE_ESTIMATORS, "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
             "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES, "actor_rollout_ref.rollout.multi_turn.format": TOOL_CALL_FORMATS}
     entries = {"algorithm.adv_estimator": grpo_advantages, "actor_rollout_ref.actor.policy_loss.loss_mode": vanilla_policy_loss}
-    infos = {"algorithm.adv_estimator": EstimatorInfo("group")}  # its declaration; a loss's and the others' are their registry's default
+    infos = {"algorithm.adv_estimator": EstimatorInfo(min_group_size=2)}  # its declaration; a loss's and the others' are their registry's default
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools: []\n")
 
@@ -172,6 +174,39 @@ def test_a_registered_name_is_accepted_without_touching_the_config(tmp_path):
             assert read(key, "throwaway")
         finally:
             del registry.entries["throwaway"], registry.info["throwaway"]
+
+
+@pytest.mark.slow
+def test_an_estimator_of_a_new_kind_is_its_function_and_declaration(tmp_path, tiny_llama, rl_data):
+    """An estimator that reads what none of core_algos' combines (the critic's values, compared within a group:
+    tests/checks/new_estimator_check.py), registered and declared: the plan builds its critic and refuses one
+    response a prompt, and a GRPO run on 2 processes trains with it, the critic included."""
+    import torch
+    from hydra import compose, initialize_config_module
+
+    from fsdptrain.distributed.mesh import World
+    from fsdptrain.errors import ConfigError
+    from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS
+    from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
+
+    from checks.new_estimator_check import group_value_baseline
+    from conftest import read_metrics, torchrun
+    from test_grpo import grpo_args
+
+    assert ADVANTAGE_ESTIMATORS["group_value_baseline"] is group_value_baseline
+    out = str(tmp_path / "run")
+    args = grpo_args(tiny_llama, rl_data, out, algorithm__adv_estimator="group_value_baseline", trainer__total_training_steps=1,
+                     critic__ppo_micro_batch_size_per_gpu=2, data__val_files="null")
+    world = World(0, 2, 2, torch.device("cpu"))
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        plan, _ = resolve_grpo(read_grpo_config(compose(config_name="grpo_trainer", overrides=args), world=world), world)
+        assert plan.critic_model is not None
+        with pytest.raises(ConfigError, match=r"group_value_baseline compares responses of one prompt: .*n must be >= 2, got 1"):
+            read_grpo_config(compose(config_name="grpo_trainer", overrides=[*args, "actor_rollout_ref.rollout.n=1"]), world=world)
+    result = torchrun(2, "tests.checks.new_estimator_check", args)
+    assert result.stdout.count("group_value_baseline: 8 responses, 2 groups, values (8, ") == 2, result.stdout[-3000:]
+    [metrics] = read_metrics(out)
+    assert metrics["critic/vf_loss"] > 0 and metrics["actor/grad_norm"] > 0 and metrics["critic/advantages/max"] > metrics["critic/advantages/min"]
 
 
 def test_tests_read_nothing_outside_the_repository():

@@ -16,7 +16,7 @@ from fsdptrain.config.verl_keys import translate
 from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES
-from fsdptrain.trainer.grpo_plan import read_grpo_config, uses_critic
+from fsdptrain.trainer.grpo_plan import derive, read_grpo_config
 
 from checks.common import relative_gap
 from conftest import read_metrics, save_tiny_model, torchrun
@@ -198,7 +198,7 @@ def test_verls_ppo_examples_load_with_every_key_known(tmp_path, capsys, name):
     assert "critic.model.fsdp_config.param_offload=False" in overrides and "critic.model.fsdp_config.optimizer_offload=False" in overrides
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
         config = load_grpo_config(compose(config_name="grpo_trainer", overrides=overrides))
-    assert uses_critic(config) and config.critic.optim.lr == 1e-5 and config.critic.model.path == "/models/x"
+    assert derive(config).uses_critic and config.critic.optim.lr == 1e-5 and config.critic.model.path == "/models/x"
 
 
 def test_ppo_settings_that_cannot_work_are_named():
@@ -219,4 +219,4 @@ def test_ppo_settings_that_cannot_work_are_named():
         load("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "algorithm.filter_groups.enable=true")
     with pytest.raises(ConfigError, match="needs the critic's values"):
         load("algorithm.adv_estimator=gae", "critic.enable=false")
-    assert not uses_critic(load()) and uses_critic(load("algorithm.adv_estimator=gae"))
+    assert not derive(load()).uses_critic and derive(load("algorithm.adv_estimator=gae")).uses_critic

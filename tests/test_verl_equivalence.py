@@ -10,7 +10,7 @@ import torch
 
 from fsdptrain.config.grpo import importance_bounds, rejection_options
 from fsdptrain.rl import core_algos
-from fsdptrain.rl.core_algos import GroupSettings, PolicyLossSettings, PolicyTokens
+from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, EstimatorBatch, PolicyLossSettings, PolicyTokens
 
 from checks.verl_reference import load_core_algos, load_verl
 from conftest import torchrun
@@ -172,6 +172,12 @@ def outcome_token_rewards(scores, mask):
     return rewards
 
 
+def test_every_estimator_and_loss_verl_registers_is_registered_here():
+    """So that the equivalence tests below cover verl's registries: its estimators are these, its losses a subset."""
+    assert set(verl.ADV_ESTIMATOR_REGISTRY) == set(ADVANTAGE_ESTIMATORS)
+    assert set(verl.POLICY_LOSS_REGISTRY) <= set(core_algos.POLICY_LOSSES)
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "gpg", "grpo_passk",
                                        "reinforce_plus_plus_baseline"])
 @pytest.mark.parametrize("norm_by_std", [True, False])
@@ -186,10 +192,9 @@ def test_every_group_estimator_equals_verls(estimator, norm_by_std):
             token_level_rewards=outcome_token_rewards(scores, mask), response_mask=mask, index=groups,
             norm_adv_by_std_in_grpo=norm_by_std, config=AlgoConfig(norm_adv_by_std_in_grpo=norm_by_std))
         batch_scale = len(scores) / max(int((scores != 0).sum()), 1)
-        settings = GroupSettings(norm_by_std=norm_by_std, batch_scale=batch_scale)
-        per_sequence = core_algos.group_advantages(scores, torch.as_tensor(groups), estimator, settings, lengths=mask.sum(-1))
-        ours = per_sequence[:, None] * mask
-        if core_algos.ADVANTAGE_ESTIMATORS.info[estimator].whitened:
+        ours, _ = ADVANTAGE_ESTIMATORS[estimator](EstimatorBatch(outcome_token_rewards(scores, mask), mask, torch.as_tensor(groups),
+                                                                 norm_by_std=norm_by_std, batch_scale=batch_scale))
+        if ADVANTAGE_ESTIMATORS.info[estimator].whitened:
             ours = whiten(ours, mask)
         torch.testing.assert_close(ours, verl_advantages, **TOLERANCE, msg=case)
 
@@ -232,8 +237,9 @@ def test_gdpo_equals_verls_decoupled_normalization():
             token_level_rewards=outcome_token_rewards(sources @ weights, mask), response_mask=mask, index=GROUPS,
             norm_adv_by_std_in_grpo=norm_by_std, config=config, non_tensor_batch={"format": sources[:, 0].numpy(), "accuracy": sources[:, 1].numpy()},
             batch={"prompts": prompts, "attention_mask": attention})
-        per_sequence = core_algos.gdpo_advantages(sources, weights, torch.as_tensor(GROUPS), GroupSettings(norm_by_std=norm_by_std))
-        torch.testing.assert_close(whiten(per_sequence[:, None] * mask, mask), verl_advantages, **TOLERANCE)
+        ours, _ = ADVANTAGE_ESTIMATORS["gdpo"](EstimatorBatch(outcome_token_rewards(sources @ weights, mask), mask, torch.as_tensor(GROUPS),
+                                                              norm_by_std=norm_by_std, source_scores=sources, source_weights=weights))
+        torch.testing.assert_close(whiten(ours, mask), verl_advantages, **TOLERANCE)
 
 
 def test_token_estimators_equal_verls():
@@ -244,16 +250,17 @@ def test_token_estimators_equal_verls():
     rewards = outcome_token_rewards(torch.rand(len(GROUPS), generator=torch.Generator().manual_seed(4)), response_mask())
     verl_advantages, verl_returns = verl.get_adv_estimator_fn("reinforce_plus_plus")(
         token_level_rewards=rewards, response_mask=mask, config=AlgoConfig(gamma=0.9))
-    returns = torch.stack([core_algos.discounted_returns(r, m, 0.9) for r, m in zip(rewards, mask)])
+    groups = torch.as_tensor(GROUPS)
+    advantages, returns = ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](EstimatorBatch(rewards, mask, groups, gamma=0.9))
     torch.testing.assert_close(returns, verl_returns, **TOLERANCE)
-    torch.testing.assert_close(whiten(returns, mask), verl_advantages * mask, **TOLERANCE)
+    torch.testing.assert_close(whiten(advantages, mask), verl_advantages * mask, **TOLERANCE)
 
     baselines = torch.rand(len(GROUPS), generator=torch.Generator().manual_seed(5))
     verl_advantages, verl_returns = verl.get_adv_estimator_fn("remax")(token_level_rewards=rewards, reward_baselines=baselines,
                                                                        response_mask=mask)
-    ours = [core_algos.remax_advantages(r, m, b) for r, m, b in zip(rewards, mask, baselines)]
-    torch.testing.assert_close(torch.stack([a for a, _ in ours]), verl_advantages, **TOLERANCE)
-    torch.testing.assert_close(torch.stack([r for _, r in ours]), verl_returns, **TOLERANCE)
+    advantages, returns = ADVANTAGE_ESTIMATORS["remax"](EstimatorBatch(rewards, mask, groups, greedy_scores=baselines))
+    torch.testing.assert_close(advantages, verl_advantages, **TOLERANCE)
+    torch.testing.assert_close(returns, verl_returns, **TOLERANCE)
 
 
 def test_gae_equals_verls():
@@ -261,9 +268,9 @@ def test_gae_equals_verls():
     g = torch.Generator().manual_seed(6)
     rewards, values = outcome_token_rewards(torch.rand(len(GROUPS), generator=g), mask), torch.randn(mask.shape, generator=g)
     verl_advantages, verl_returns = verl.compute_gae_advantage_return(rewards, values, mask, gamma=0.95, lam=0.9)
-    ours = [core_algos.gae_advantages_returns(r, v * m, m, 0.95, 0.9) for r, v, m in zip(rewards, values, mask)]
-    torch.testing.assert_close(torch.stack([r * m for (_, r), m in zip(ours, mask)]), verl_returns * mask, **TOLERANCE)
-    torch.testing.assert_close(whiten(torch.stack([a for a, _ in ours]), mask), verl_advantages * mask, **TOLERANCE)
+    advantages, returns = ADVANTAGE_ESTIMATORS["gae"](EstimatorBatch(rewards, mask, torch.as_tensor(GROUPS), gamma=0.95, lam=0.9, values=values * mask))
+    torch.testing.assert_close(returns * mask, verl_returns * mask, **TOLERANCE)
+    torch.testing.assert_close(whiten(advantages, mask), verl_advantages * mask, **TOLERANCE)
 
 
 @pytest.mark.parametrize("agg_mode", AGG_MODES)
@@ -296,12 +303,8 @@ def test_optimal_token_baselines_equal_verls(estimator, with_is_weights):
     verl_advantages, verl_returns = verl.get_adv_estimator_fn(estimator)(
         token_level_rewards=rewards, response_mask=mask, index=GROUPS, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
         rollout_is_weights=is_weights)
-    compact = core_algos.ADVANTAGE_ESTIMATORS.info[estimator].compact
-    advantages, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
-    for group in np.unique(GROUPS):
-        rows = torch.as_tensor(GROUPS == group)
-        advantages[rows], returns[rows] = core_algos.ADVANTAGE_ESTIMATORS[estimator](
-            rewards[rows], mask[rows], old_log_probs[rows], sum_pi_squared[rows], None if is_weights is None else is_weights[rows], compact)
+    advantages, returns = ADVANTAGE_ESTIMATORS[estimator](EstimatorBatch(rewards, mask, torch.as_tensor(GROUPS), old_log_probs=old_log_probs,
+                                                                         sum_pi_squared=sum_pi_squared, is_weights=is_weights))
     torch.testing.assert_close(advantages, verl_advantages, **TOLERANCE)
     torch.testing.assert_close(returns, verl_returns, **TOLERANCE)
 

@@ -1,6 +1,7 @@
 """From scores to per-token advantages: each response's score on its last token, verl's KL penalty in the reward,
-then an estimator of core_algos (a group estimator's value on every token, REINFORCE++'s returns, or GAE from a
-critic's values, with the returns the critic learns), whitened over every rank where the estimator is."""
+then the estimator of core_algos, one call on the batch padded (a group estimator's value on every token,
+REINFORCE++'s returns, or GAE from a critic's values, with the returns the critic learns), whitened over every rank
+where the estimator is."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,61 +59,38 @@ def penalize_kl(token_rewards: list[torch.Tensor], samples: Sequence[Sample], ge
     return {"actor/reward_kl_penalty": total / count, "actor/reward_kl_penalty_coeff": beta}
 
 
-def token_advantages(token_rewards: list[torch.Tensor], generations: Sequence[Generation], group_ids: torch.Tensor,
-                     settings: AdvantageSettings, parallel: Parallel, source_scores: torch.Tensor | None = None,
-                     baselines: torch.Tensor | None = None, samples: Sequence[Sample] = ()) -> list[torch.Tensor]:
-    """Each response's per-token advantages (`group_ids`: each response's group) by the estimator of `settings`: a
-    group estimator's value (from the summed rewards) on every token; a sources estimator's, from `source_scores`
-    (responses, sources; None without sources: the summed rewards alone) and the sources' weights; a token
-    estimator's; a baseline estimator's, from `baselines` (each response's prompt's greedy score); an optimal-token
-    estimator's, from the `samples`' old log-probs, sums of squared probabilities and rollout importance weights.
+def advantages_and_returns(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation],
+                           group_ids: torch.Tensor, settings: AdvantageSettings, parallel: Parallel, source_scores: torch.Tensor | None = None,
+                           greedy_scores: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each response's per-token (advantages, returns) by the estimator of `settings`, called as every estimator is,
+    on the batch padded (core_algos.EstimatorBatch): the samples' token values that an estimator may read (the
+    critic's values, the old log-probs, sums of squared probabilities and rollout importance weights) where the
+    run made them, `source_scores` (responses, sources), `greedy_scores` (each response's prompt's greedy score).
     Those registered `whitened` (or all, or none, by whiten_advantages) are whitened over every rank's response
     tokens."""
-    masks, registry, estimator = [g.mask for g in generations], core_algos.ADVANTAGE_ESTIMATORS, settings.estimator
-    declared = registry.info[estimator]
-    kind = declared.kind
-    if kind == "token":
-        advantages = [registry[estimator](reward, mask, settings.gamma) for reward, mask in zip(token_rewards, masks)]
-    elif kind == "optimal_token":
-        advantages = optimal_token_advantages(token_rewards, masks, group_ids, samples, generations, estimator)
-    elif kind == "baseline":
-        advantages = [registry[estimator](reward, mask, baseline)[0] for reward, mask, baseline in zip(token_rewards, masks, baselines)]
-    else:
-        scores = torch.stack([reward.sum() for reward in token_rewards])
-        batch_scale = nonzero_scale(scores, parallel) if declared.batch_scaled else 1.0
-        group = core_algos.GroupSettings(settings.norm_by_std, batch_scale=batch_scale)
-        if kind == "sources":
-            weights = torch.tensor([weight for _, weight in settings.sources] or [1.0], dtype=scores.dtype)
-            per_sequence = registry[estimator](scores[:, None] if source_scores is None else source_scores, weights, group_ids, group)
-        else:
-            lengths = torch.stack([mask.sum() for mask in masks])
-            per_sequence = core_algos.group_advantages(scores, group_ids, estimator, group, lengths)
-        advantages = [value * mask for value, mask in zip(per_sequence, masks)]
+    declared = core_algos.ADVANTAGE_ESTIMATORS.info[settings.estimator]
+    rewards, mask = pad_sequence(token_rewards, batch_first=True), pad_sequence([g.mask for g in generations], batch_first=True)
+    weights = torch.tensor([weight for _, weight in settings.sources] or [1.0], dtype=rewards.dtype)
+    batch = core_algos.EstimatorBatch(
+        rewards, mask, group_ids, settings.norm_by_std, settings.gamma, settings.lam,
+        batch_scale=nonzero_scale(rewards.sum(-1), parallel) if declared.batch_scaled else 1.0,
+        values=response_values(samples, generations, "values"), greedy_scores=greedy_scores,
+        old_log_probs=response_values(samples, generations, "old_log_prob"), sum_pi_squared=response_values(samples, generations, "sum_pi_squared"),
+        is_weights=response_values(samples, generations, "rollout_is_weight"),
+        source_scores=rewards.sum(-1)[:, None] if source_scores is None else source_scores, source_weights=weights)
+    advantages, returns = core_algos.ADVANTAGE_ESTIMATORS[settings.estimator](batch)
     if settings.whiten if settings.whiten is not None else declared.whitened:
-        advantages = whitened(advantages, masks, parallel)
-    return advantages
+        advantages = whitened(advantages, mask, parallel)
+    lengths = [len(g.mask) for g in generations]
+    return [a[:n] for a, n in zip(advantages, lengths)], [(r * m)[:n] for r, m, n in zip(returns, mask, lengths)]
 
 
-def optimal_token_advantages(token_rewards: list[torch.Tensor], masks: list[torch.Tensor], group_ids: torch.Tensor, samples: Sequence[Sample],
-                             generations: Sequence[Generation], estimator: str) -> list[torch.Tensor]:
-    """An optimal-token estimator over each group's responses, right-padded to the group's longest."""
-    registry = core_algos.ADVANTAGE_ESTIMATORS
-    advantages = [None] * len(masks)
-    weighted = "rollout_is_weight" in samples[0].token_values
-    for group in group_ids.unique():
-        members = (group_ids == group).nonzero().flatten().tolist()
-        group_advantages, _ = registry[estimator](
-            pad_sequence([token_rewards[i] for i in members], batch_first=True), pad_sequence([masks[i] for i in members], batch_first=True),
-            response_values(samples, generations, members, "old_log_prob"), response_values(samples, generations, members, "sum_pi_squared"),
-            response_values(samples, generations, members, "rollout_is_weight") if weighted else None, registry.info[estimator].compact)
-        for row, i in enumerate(members):
-            advantages[i] = group_advantages[row, : len(masks[i])]
-    return advantages
-
-
-def response_values(samples: Sequence[Sample], generations: Sequence[Generation], members: list[int], key: str) -> torch.Tensor:
-    """The token values `key` of the responses `members`, right-padded (members, longest response)."""
-    return pad_sequence([samples[i].token_values[key][len(generations[i].prompt_ids):] for i in members], batch_first=True)
+def response_values(samples: Sequence[Sample], generations: Sequence[Generation], key: str) -> torch.Tensor | None:
+    """The samples' token values `key` over their responses, right-padded (responses, longest response); None
+    where the run did not make them."""
+    if not samples or key not in samples[0].token_values:
+        return None
+    return pad_sequence([s.token_values[key][len(g.prompt_ids):] for s, g in zip(samples, generations)], batch_first=True)
 
 
 def nonzero_scale(scores: torch.Tensor, parallel: Parallel) -> float:
@@ -121,28 +99,11 @@ def nonzero_scale(scores: torch.Tensor, parallel: Parallel) -> float:
     return count / max(nonzero, 1.0)
 
 
-def critic_advantages(token_rewards: list[torch.Tensor], samples: Sequence[Sample], generations: Sequence[Generation],
-                      settings: AdvantageSettings, parallel: Parallel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each response's per-token (advantages, returns) by a critic estimator of core_algos from the critic's values
-    (the samples' token values `values`); the advantages whitened over every rank's response tokens, as verl's,
-    unless whiten_advantages says not."""
-    advantages, returns = [], []
-    for reward, sample, generation in zip(token_rewards, samples, generations):
-        values = sample.token_values["values"][len(generation.prompt_ids):]
-        advantage, sample_returns = core_algos.ADVANTAGE_ESTIMATORS[settings.estimator](reward, values, generation.mask, settings.gamma,
-                                                                                         settings.lam)
-        advantages.append(advantage)
-        returns.append(sample_returns * generation.mask)
-    if settings.whiten is False:
-        return advantages, returns
-    return whitened(advantages, [g.mask for g in generations], parallel), returns
-
-
-def whitened(advantages: list[torch.Tensor], masks: list[torch.Tensor], parallel: Parallel) -> list[torch.Tensor]:
-    """Advantages whitened with the mean and variance of every rank's response tokens."""
-    mean, variance = core_algos.batch_moments(torch.cat(advantages), torch.cat(masks),
+def whitened(advantages: torch.Tensor, mask: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """Advantages (responses, tokens) whitened with the mean and variance of every rank's response tokens."""
+    mean, variance = core_algos.batch_moments(advantages.flatten(), mask.flatten(),
                                               lambda sums: all_reduce_sum(sums, parallel.device, parallel.dp_group))
-    return [core_algos.masked_whiten(a, m, mean, variance) for a, m in zip(advantages, masks)]
+    return core_algos.masked_whiten(advantages, mask, mean, variance)
 
 
 def put_token_values(samples: Sequence[Sample], generations: Sequence[Generation], values: Sequence[torch.Tensor], key: str) -> None:

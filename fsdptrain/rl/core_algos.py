@@ -18,44 +18,18 @@ from fsdptrain.registry import Registry
 
 @dataclass(frozen=True)
 class EstimatorInfo:
-    """An advantage estimator's declaration. `kind` is its signature, and so what it reads: "group" maps one
-    prompt's scores (n,) and response lengths to its responses' advantages (scores, lengths, GroupSettings);
-    "sources" the batch's per-source scores, the sources' weights and the group ids to the responses' advantages;
-    "token" one response's per-token rewards and mask to its advantages (token_rewards, mask, gamma); "baseline" one
-    response's per-token rewards, mask and its prompt's greedy score to (advantages, returns); "optimal_token" one
-    group's padded per-token rewards, mask, old log-probs, sums of squared probabilities and rollout importance
-    weights to (advantages, returns); "critic" one response's per-token rewards, the critic's values, its mask,
-    gamma and lambda to its (advantages, returns). The plan builds what the properties below name."""
+    """An advantage estimator's declaration: what the run builds for it. The plan derives the critic, the greedy
+    rollout, the old-policy pass's sums of squared probabilities, the per-source scores and n's floor from these,
+    and nothing from the estimator's name. Every estimator maps an EstimatorBatch to per-token (advantages,
+    returns)."""
 
-    kind: str
+    needs_values: bool = False  # a critic, whose values it reads (EstimatorBatch.values)
+    needs_greedy_baseline: bool = False  # each prompt answered greedily too, its score the baseline (greedy_scores)
+    needs_sum_pi_squared: bool = False  # the old-policy pass keeps each token's sum of squared probabilities (and so runs: not under bypass)
+    needs_source_scores: bool = False  # each reward source's own score: what changes the summed reward token by token is not one of them
+    min_group_size: int = 1  # responses a prompt at least (actor_rollout_ref.rollout.n)
     whitened: bool = False  # whitened afterwards over the whole batch's tokens (every rank's)
-    batch_scaled: bool = False  # reads GroupSettings.batch_scale
-    compact: bool = False  # optimal_token: TIR's compact form
-
-    @property
-    def needs_values(self) -> bool:
-        """A critic, whose values it reads."""
-        return self.kind == "critic"
-
-    @property
-    def needs_greedy_baseline(self) -> bool:
-        """Each prompt answered greedily too, its score the baseline."""
-        return self.kind == "baseline"
-
-    @property
-    def needs_sum_pi_squared(self) -> bool:
-        """The old-policy pass keeps each token's sum of squared probabilities (and so runs: not under bypass)."""
-        return self.kind == "optimal_token"
-
-    @property
-    def needs_source_scores(self) -> bool:
-        """Each reward source's own score: what changes the summed reward token by token is not one of them."""
-        return self.kind == "sources"
-
-    @property
-    def min_group_size(self) -> int:
-        """Responses a prompt at least (actor_rollout_ref.rollout.n): those that compare a group need two."""
-        return 2 if self.kind in ("group", "sources") else 1
+    batch_scaled: bool = False  # reads EstimatorBatch.batch_scale
 
 
 @dataclass(frozen=True)
@@ -70,7 +44,7 @@ class LossInfo:
     every_row: bool = False  # averages over every sequence of the mini-batch, those without a loss token too (loss_rows)
 
 
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", default_info=EstimatorInfo())
 POLICY_LOSSES: Registry = Registry("policy loss", default_info=LossInfo())
 # Each mode: (masked per-token loss, sequence_tokens, global tokens, global sequences, Dr. GRPO's norm) -> scalar.
 LOSS_AGG_MODES: Registry = Registry("loss aggregation mode")
@@ -80,12 +54,42 @@ KL_ESTIMATORS: Registry = Registry("KL estimator")
 
 # ---- advantages -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class GroupSettings:
-    """What a group estimator reads besides its group's scores."""
+class EstimatorBatch:
+    """What every estimator reads, as verl's estimators take it: one rank's responses right-padded to the longest,
+    (responses, tokens), with each one's prompt group and algorithm.*'s settings. The optional fields are filled
+    where the estimator's declaration asks for them (the importance weights where rollout correction makes them)."""
 
+    token_rewards: torch.Tensor  # (B, T): a response's score on its last token, less verl's KL penalty in the reward
+    mask: torch.Tensor  # (B, T): 1 on the tokens the policy produced
+    group_ids: torch.Tensor  # (B,): the prompt each response answers
     norm_by_std: bool = True  # algorithm.norm_adv_by_std_in_grpo
-    eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 1.0
     batch_scale: float = 1.0  # GPG's alpha: the batch's responses over those scored nonzero (every rank's)
+    values: torch.Tensor | None = None  # (B, T): the critic's
+    greedy_scores: torch.Tensor | None = None  # (B,): the score of the greedy response to each response's prompt
+    old_log_probs: torch.Tensor | None = None  # (B, T)
+    sum_pi_squared: torch.Tensor | None = None  # (B, T): the old policy's sum over the vocabulary of pi^2
+    is_weights: torch.Tensor | None = None  # (B, T): the rollout correction's importance weights
+    source_scores: torch.Tensor | None = None  # (B, S): each reward source's own score
+    source_weights: torch.Tensor | None = None  # (S,)
+    eps: float = 1e-6
+
+    def group_estimate(self, rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group estimator's (advantages, returns): `rule` maps one group's scores (the summed token rewards, or
+        `scores`) and its responses' token counts to their advantages, each put on every token of its response."""
+        scores = self.token_rewards.sum(-1) if scores is None else scores
+        lengths = self.mask.sum(-1).to(scores.dtype)
+        per_sequence = torch.empty_like(scores)
+        for group in self.group_ids.unique():
+            members = self.group_ids == group
+            per_sequence[members] = rule(scores[members], lengths[members])
+        advantages = per_sequence[:, None] * self.mask
+        return advantages, advantages
+
+
+GROUP = EstimatorInfo(min_group_size=2)  # compares a prompt's responses
 
 
 def group_mean_std(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,78 +99,71 @@ def group_mean_std(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros((), dtype=scores.dtype), torch.ones((), dtype=scores.dtype)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", "grpo_vectorized", info=EstimatorInfo("group"))
-def grpo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+def normalized(scores: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
     """(s - mean) / (std + eps) with Bessel's std (norm_by_std), else s - mean (Dr. GRPO)."""
     mean, std = group_mean_std(scores)
-    return (scores - mean) / (std + settings.eps) if settings.norm_by_std else scores - mean
+    return (scores - mean) / (std + eps) if norm_by_std else scores - mean
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo", info=EstimatorInfo("group"))
-def rloo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("grpo", "grpo_vectorized", info=GROUP)
+def grpo_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: each score normalized within its group (`normalized`)."""
+    return batch.group_estimate(lambda scores, _: normalized(scores, batch.norm_by_std, batch.eps))
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo", info=GROUP)
+def rloo_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """n / (n - 1) (s - mean): the leave-one-out baseline; a lone sample keeps its score, as verl's loop."""
-    n = len(scores)
-    return (scores - scores.mean()) * n / (n - 1) if n > 1 else scores.clone()
+    return batch.group_estimate(lambda s, _: (s - s.mean()) * len(s) / (len(s) - 1) if len(s) > 1 else s.clone())
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo_vectorized", info=EstimatorInfo("group"))
-def rloo_vectorized_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("rloo_vectorized", info=GROUP)
+def rloo_vectorized_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO as verl's vectorized form: the same, but a lone sample gets 0."""
-    return rloo_advantages(scores, lengths, settings) if len(scores) > 1 else torch.zeros_like(scores)
+    return batch.group_estimate(lambda s, _: (s - s.mean()) * len(s) / (len(s) - 1) if len(s) > 1 else torch.zeros_like(s))
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", info=EstimatorInfo("group", whitened=True))
-def baseline_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
-    """s - mean (REINFORCE++ with a group baseline; the batch whitening follows in the caller, over every rank)."""
-    return scores - group_mean_std(scores)[0]
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", info=EstimatorInfo(min_group_size=2, whitened=True))
+def reinforce_plus_plus_baseline_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """s - mean (REINFORCE++ with a group baseline; the batch whitening follows, over every rank)."""
+    return batch.group_estimate(lambda s, _: s - group_mean_std(s)[0])
 
 
-@ADVANTAGE_ESTIMATORS.register("opo", info=EstimatorInfo("group"))
-def opo_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("opo", info=GROUP)
+def opo_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO: s minus the length-weighted mean of the group's scores, sum(len s) / sum(len), the baseline that is
     optimal for a sequence-level reward."""
-    if len(scores) == 1:
-        return scores.clone()
-    return scores - (lengths * scores).sum() / lengths.sum()
+    return batch.group_estimate(lambda s, lengths: s - (lengths * s).sum() / lengths.sum() if len(s) > 1 else s.clone())
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo_passk", info=EstimatorInfo("group"))
-def passk_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("grpo_passk", info=GROUP)
+def passk_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k training: only the group's best response gets an advantage, its margin over the second best
     (divided by the group's std + eps with norm_by_std); every other response gets 0."""
-    top, index = torch.topk(scores, 2)
-    margin = top[0] - top[1]
-    advantages = torch.zeros_like(scores)
-    advantages[index[0]] = margin / (scores.std() + settings.eps) if settings.norm_by_std else margin
-    return advantages
+
+    def best_only(scores: torch.Tensor, _) -> torch.Tensor:
+        top, index = torch.topk(scores, 2)
+        advantages = torch.zeros_like(scores)
+        advantages[index[0]] = (top[0] - top[1]) / (scores.std() + batch.eps) if batch.norm_by_std else top[0] - top[1]
+        return advantages
+
+    return batch.group_estimate(best_only)
 
 
-@ADVANTAGE_ESTIMATORS.register("gpg", info=EstimatorInfo("group", batch_scaled=True))
-def gpg_advantages(scores: torch.Tensor, lengths: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
-    """GPG: alpha (s - mean), alpha the batch's responses over those scored nonzero (settings.batch_scale)."""
-    return settings.batch_scale * (scores - group_mean_std(scores)[0])
+@ADVANTAGE_ESTIMATORS.register("gpg", info=EstimatorInfo(min_group_size=2, batch_scaled=True))
+def gpg_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG: alpha (s - mean), alpha the batch's responses over those scored nonzero (batch_scale)."""
+    return batch.group_estimate(lambda s, _: batch.batch_scale * (s - group_mean_std(s)[0]))
 
 
-def group_advantages(scores: torch.Tensor, groups: torch.Tensor, estimator: str, settings: GroupSettings = GroupSettings(),
-                     lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-sequence advantages from per-sequence scores (B,) and group ids (B,) (sequences of one prompt), by the
-    group estimator `estimator` of ADVANTAGE_ESTIMATORS; `lengths`: each response's token count (OPO's)."""
-    lengths = torch.ones_like(scores) if lengths is None else lengths.to(scores.dtype)
-    advantages = torch.empty_like(scores)
-    for group in groups.unique():
-        members = groups == group
-        advantages[members] = ADVANTAGE_ESTIMATORS[estimator](scores[members], lengths[members], settings)
-    return advantages
-
-
-@ADVANTAGE_ESTIMATORS.register("gdpo", info=EstimatorInfo("sources", whitened=True))
-def gdpo_advantages(source_scores: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, settings: GroupSettings) -> torch.Tensor:
-    """GDPO: each reward source's scores (columns of `source_scores`) normalized within each group as GRPO's, then
-    summed with the sources' weights (the batch whitening follows in the caller)."""
-    advantages = torch.zeros(len(source_scores), dtype=source_scores.dtype)
-    for column, weight in zip(source_scores.T, weights):
-        advantages += weight * group_advantages(column, groups, "grpo", settings)
-    return advantages
+@ADVANTAGE_ESTIMATORS.register("gdpo", info=EstimatorInfo(needs_source_scores=True, min_group_size=2, whitened=True))
+def gdpo_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: each reward source's scores (columns of source_scores) normalized within each group as GRPO's, then
+    summed with the sources' weights (the batch whitening follows)."""
+    advantages = torch.zeros_like(batch.token_rewards)
+    for column, weight in zip(batch.source_scores.T, batch.source_weights):
+        advantages += weight * batch.group_estimate(lambda scores, _: normalized(scores, batch.norm_by_std, batch.eps), column)[0]
+    return advantages, advantages
 
 
 def reward_to_go(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -189,10 +186,8 @@ def path_variance_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: t
     return baseline
 
 
-@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", info=EstimatorInfo("optimal_token"))
-@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", info=EstimatorInfo("optimal_token", compact=True))
-def optimal_token_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
-                             is_weights: torch.Tensor | None, compact: bool, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+def optimal_token_group(token_rewards: torch.Tensor, mask: torch.Tensor, old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+                        is_weights: torch.Tensor | None, compact: bool, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """The optimal token baseline over one group's responses (N, T), right-padded: each token's reward-to-go G_t
     minus B_t = E[G_t W_t] / E[W_t], W_t the sum up to t of the score function's squared norm proxy
     1 - 2 pi_t + sum_v pi_v^2 (times the squared rollout importance weight where given). `compact`
@@ -219,43 +214,68 @@ def optimal_token_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, ol
     return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("remax", info=EstimatorInfo("baseline"))
-def remax_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReMax: the reward-to-go of one response minus `baseline`, the score of its prompt's greedy response.
-    Returns (advantages, returns)."""
-    returns = reward_to_go(token_rewards, mask)
-    return returns - baseline * mask, returns
+def optimal_token_estimate(batch: EstimatorBatch, compact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`optimal_token_group` over each group of the batch."""
+    advantages, returns = torch.zeros_like(batch.token_rewards), torch.zeros_like(batch.token_rewards)
+    for group in batch.group_ids.unique():
+        rows = batch.group_ids == group
+        advantages[rows], returns[rows] = optimal_token_group(
+            batch.token_rewards[rows], batch.mask[rows], batch.old_log_probs[rows], batch.sum_pi_squared[rows],
+            None if batch.is_weights is None else batch.is_weights[rows], compact)
+    return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", info=EstimatorInfo("token", whitened=True))
-def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE++'s returns of one response (tokens,): sum of gamma^k r_{t+k} over its generated tokens (mask 1).
-    Tokens off the mask (a tool's, an environment's) are skipped, not a reset: verl's reset there would cut a
-    multi-turn trajectory's final reward off from every turn before its last tool call."""
-    returns = torch.zeros_like(token_rewards)
-    running = torch.zeros((), dtype=token_rewards.dtype)
-    for t in reversed(range(len(token_rewards))):
-        running = torch.where(mask[t] > 0, token_rewards[t] + gamma * running, running)
-        returns[t] = running
-    return returns * mask
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", info=EstimatorInfo(needs_sum_pi_squared=True))
+def optimal_token_baseline_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline, tokens aligned by position."""
+    return optimal_token_estimate(batch, compact=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae", info=EstimatorInfo("critic", whitened=True))
-def gae_advantages_returns(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-                           lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over one response (tokens,), as verl's compute_gae_advantage_return
-    (before its whitening): delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, returns A + V.
-    Tokens off the mask (a tool's, an environment's) are skipped, not reset: they pass the next token's value and
-    advantage through unchanged, so that a turn's advantage reaches across them."""
-    advantages = torch.zeros_like(token_rewards)
-    next_value = torch.zeros((), dtype=values.dtype)
-    next_advantage = torch.zeros((), dtype=values.dtype)
-    for t in reversed(range(len(token_rewards))):
-        delta = token_rewards[t] + gamma * next_value - values[t]
-        advantage = delta + gamma * lam * next_advantage
-        next_value = torch.where(mask[t] > 0, values[t], next_value)
-        next_advantage = torch.where(mask[t] > 0, advantage, next_advantage)
-        advantages[t] = next_advantage
+@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", info=EstimatorInfo(needs_sum_pi_squared=True))
+def tir_optimal_token_baseline_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline of multi-turn trajectories, trained tokens aligned by their count."""
+    return optimal_token_estimate(batch, compact=True)
+
+
+@ADVANTAGE_ESTIMATORS.register("remax", info=EstimatorInfo(needs_greedy_baseline=True))
+def remax_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: each response's reward-to-go minus the score of its prompt's greedy response."""
+    returns = reward_to_go(batch.token_rewards, batch.mask)
+    return returns - batch.greedy_scores[:, None] * batch.mask, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", info=EstimatorInfo(whitened=True))
+def reinforce_plus_plus_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: each token's discounted return, sum of gamma^k r_{t+k} over the generated tokens (mask 1), as
+    its advantage (the batch whitening follows). Tokens off the mask (a tool's, an environment's) are skipped, not
+    a reset: verl's reset there would cut a multi-turn trajectory's final reward off from every turn before its
+    last tool call."""
+    rewards, mask = batch.token_rewards, batch.mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[:-1], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[-1])):
+        running = torch.where(mask[..., t] > 0, rewards[..., t] + batch.gamma * running, running)
+        returns[..., t] = running
+    returns = returns * mask
+    return returns, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("gae", info=EstimatorInfo(needs_values=True, whitened=True))
+def gae_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation, as verl's compute_gae_advantage_return (before its whitening):
+    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, returns A + V. Tokens off the mask (a
+    tool's, an environment's) are skipped, not reset: they pass the next token's value and advantage through
+    unchanged, so that a turn's advantage reaches across them."""
+    rewards, values, mask = batch.token_rewards, batch.values, batch.mask
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(rewards.shape[:-1], dtype=values.dtype)
+    next_advantage = torch.zeros(rewards.shape[:-1], dtype=values.dtype)
+    for t in reversed(range(rewards.shape[-1])):
+        advantage = rewards[..., t] + batch.gamma * next_value - values[..., t] + batch.gamma * batch.lam * next_advantage
+        generated = mask[..., t] > 0
+        next_value = torch.where(generated, values[..., t], next_value)
+        next_advantage = torch.where(generated, advantage, next_advantage)
+        advantages[..., t] = next_advantage
     return advantages, advantages + values
 
 

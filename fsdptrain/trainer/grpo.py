@@ -31,7 +31,7 @@ from fsdptrain.models.lora import adapters_disabled
 from fsdptrain.optim import build_optimizer, build_scheduler
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import PolicyActor, compute_log_probs
-from fsdptrain.rl.advantages import critic_advantages, outcome_rewards, penalize_kl, put_token_values, token_advantages
+from fsdptrain.rl.advantages import advantages_and_returns, outcome_rewards, penalize_kl, put_token_values
 from fsdptrain.rl.agent.interactions import BaseInteraction, check_interaction_names, load_interactions
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, Loop, LoopContext
 from fsdptrain.rl.agent.tools import BaseTool, load_tools, tool_schemas
@@ -104,10 +104,10 @@ class GRPOStep:
         groups, metrics = self.generate(timer)
         generations, ids = flatten(groups)
         group_ids = torch.tensor(ids)
-        baselines = None
+        greedy_scores = None
         if plan.greedy_baseline:
             with timer("gen_max"):
-                baselines = torch.tensor(self.sampler.greedy_scores(groups))[group_ids]
+                greedy_scores = torch.tensor(self.sampler.greedy_scores(groups))[group_ids]
         samples = make_samples(generations, plan.mask_truncated_completions)
         self.actor_offload.params_back()
         old_metrics, trained = self.old_log_probs(samples, generations, timer)
@@ -129,7 +129,7 @@ class GRPOStep:
             if self.kl_ctrl is not None:
                 metrics.update(penalize_kl(token_rewards, samples, generations, self.kl_ctrl, advantage.kl_penalty, parallel))
         with timer("adv"):
-            advantages = self.advantages(token_rewards, samples, trained, group_ids, scored, baselines)
+            advantages = self.advantages(token_rewards, samples, trained, group_ids, scored, greedy_scores)
             if advantage.clip is not None:
                 metrics.update(clip_advantages(advantages, trained, advantage.clip, parallel))
             put_token_values(samples, trained, advantages, "advantage")
@@ -194,18 +194,18 @@ class GRPOStep:
         return {}, generations
 
     def advantages(self, token_rewards: list[torch.Tensor], samples: list[Sample], generations: list[Generation], group_ids: torch.Tensor,
-                   scored: list[dict], baselines: torch.Tensor | None) -> list[torch.Tensor]:
+                   scored: list[dict], greedy_scores: torch.Tensor | None) -> list[torch.Tensor]:
         """Each response's per-token advantages by the plan's estimator; under PPO, the critic's returns are put
         on the samples."""
-        advantage, parallel = self.plan.advantage, self.actor.parallel
-        if self.critic is not None:
-            advantages, returns = critic_advantages(token_rewards, samples, generations, advantage, parallel)
-            put_token_values(samples, generations, returns, "returns")
-            return advantages
+        advantage = self.plan.advantage
         source_scores = None
         if advantage.sources:
             source_scores = torch.tensor([[s[f"{SOURCE}{name}"] for name, _ in advantage.sources] for s in scored])
-        return token_advantages(token_rewards, generations, group_ids, advantage, parallel, source_scores, baselines, samples)
+        advantages, returns = advantages_and_returns(token_rewards, samples, generations, group_ids, advantage, self.actor.parallel,
+                                                     source_scores, greedy_scores)
+        if self.critic is not None:
+            put_token_values(samples, generations, returns, "returns")
+        return advantages
 
     def sync_weights(self) -> None:
         self.engine.wake_up()  # the weights go to the engine's own memory, not to what it parks while asleep
@@ -292,7 +292,7 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
 
     def validate() -> dict[str, float]:
         score = lambda responses, prompts, ids: validation_scorer(responses, prompts, ids, "validation")  # noqa: E731
-        return validate_on_ranks(engine, loops, val, score, plan.validation, parallel, ranked=plan.engine.beam_search)
+        return validate_on_ranks(engine, loops, val, score, plan.validation, parallel, ranked=plan.ranked_responses)
 
     if val and trainer.val_before_train and run.step == 0:
         run.logger.log(validate(), 0)
@@ -302,7 +302,7 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
             timer = StepTimer(step)
             with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank):
                 result = step_once(timer)
-            if val and run.due(step, trainer.test_freq, trainer.last_step_when_off):
+            if val and run.due(step, trainer.test_freq):
                 with timer("testing"):
                     result.metrics.update(validate())
             metrics = record_step(step, result, timer, history, plan, run)

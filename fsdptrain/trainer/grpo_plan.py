@@ -39,20 +39,25 @@ from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
 from fsdptrain.rl.advantages import AdvantageSettings
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, MultiTurnSettings
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS
-from fsdptrain.rl.core_algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossSettings, RejectionRule
+from fsdptrain.rl.core_algos import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    EstimatorInfo,
+    PolicyLossSettings,
+    RejectionRule,
+)
 from fsdptrain.rl.critic import ValueLossSettings
 from fsdptrain.rl.reference_sync import ReferenceSync
 from fsdptrain.rl.reward_shaping import ShapingSettings
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, EngineSpec, engine_index
+from fsdptrain.rl.rollout.base import EngineInfo, EnginePlacement, engine_settings
 from fsdptrain.rl.rollout.beams import read_catalog
-from fsdptrain.rl.rollout.vllm import EngineSettings
 from fsdptrain.rl.rollout_correction import Correction
 from fsdptrain.rl.sampling import FILTER_KEYS, RolloutRequest
 from fsdptrain.trainer.setup import ModelSpec
-
-HOST_MEMORY_FOR_ENGINES = 0.8  # on CPU: the share of host memory all of a host's vLLM engines may take together
-GPU_MEMORY_UTILIZATION = 0.5  # verl's default for one engine a GPU
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class GRPOPlan:
     reference_sync: ReferenceSync | None  # actor_rollout_ref.ref.sync_ref_model
     engine: EngineSpec
     engine_name: str
+    ranked_responses: bool  # a prompt's responses are its beams, best first (validation reports HR@K and NDCG@K)
     request: RolloutRequest
     validation: RolloutRequest
     filter_metric: str | None  # dynamic sampling's (algorithm.filter_groups)
@@ -166,14 +172,32 @@ def critic_batching(config: GRPOConfig, forward: bool) -> MicroBatching:
                     f"{CRITIC}.{tokens_key}", critic.model.use_remove_padding, CRITIC)
 
 
-def uses_critic(config: GRPOConfig) -> bool:
-    """critic.enable, or where it is null, whether the advantage estimator needs a critic."""
-    estimator = config.algorithm.adv_estimator
-    needed = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator].needs_values
-    return needed if config.critic.enable is None else config.critic.enable
+@dataclass(frozen=True)
+class Derived:
+    """The facts that several checks and the plan read, each derived from the config once (`derive`)."""
+
+    estimator: EstimatorInfo | None  # the advantage estimator's declaration; None: not registered (check_names says so)
+    engine: EngineInfo | None  # the rollout engine's, likewise
+    uses_critic: bool  # critic.enable, or where it is null, whether the estimator reads a critic's values
+    bypass: bool  # the old log-probs are the engine's (verl's bypass mode, asked for by its key or by naming its loss)
+    corrects_rollouts: bool  # rollout correction in any form (weights, rejection, bypass): it reads the engine's log-probs
+    sampling_log_probs: bool  # the step reads the engine's sampling log-probs (kept, compared or trained on)
+    update_batching: MicroBatching  # the actor's update's forward passes
 
 
-def check_names(config: GRPOConfig) -> list:
+def derive(config: GRPOConfig) -> Derived:
+    algorithm, actor, rollout = config.algorithm, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    estimator = ADVANTAGE_ESTIMATORS.info.get(algorithm.adv_estimator)
+    needs_values = estimator is not None and estimator.needs_values
+    correction = algorithm.rollout_correction
+    bypass = correction.bypass_mode or actor.policy_loss.loss_mode == "bypass_mode"
+    corrects = correction.rollout_is is not None or correction.rollout_rs is not None or bypass
+    return Derived(estimator, ROLLOUT_ENGINES.info.get(rollout.name), needs_values if config.critic.enable is None else config.critic.enable,
+                   bypass, corrects, rollout.calculate_log_probs or corrects,
+                   actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"))
+
+
+def check_names(config: GRPOConfig, derived: Derived) -> list:
     """Each name that selects an implementation, against its registry."""
     actor, rollout, algorithm = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.algorithm
     checks = [
@@ -194,63 +218,50 @@ def check_names(config: GRPOConfig) -> list:
     for i, source in enumerate(config.reward.sources):
         if source.path is None:
             checks.append(lambda i=i, source=source: VERIFIERS.check(f"reward.sources[{i}].function", source.function))
-    if uses_critic(config):
+    if derived.uses_critic:
         checks.append(lambda: LOSS_AGG_MODES.check(f"{CRITIC}.loss_agg_mode", config.critic.loss_agg_mode))
     return checks
 
 
-def bypasses(config: GRPOConfig) -> bool:
-    """Whether the old log-probs are the rollout engine's (verl's rollout-correction bypass, asked for by its key
-    or by naming its loss)."""
-    return config.algorithm.rollout_correction.bypass_mode or config.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode"
-
-
-def corrects_rollouts(config: GRPOConfig) -> bool:
-    """Whether rollout correction is on in any form (weights, rejection, bypass): it reads the engine's log-probs."""
-    correction = config.algorithm.rollout_correction
-    return correction.rollout_is is not None or correction.rollout_rs is not None or bypasses(config)
-
-
-def check_groups(config: GRPOConfig) -> None:
-    """What compares the responses of one prompt needs two of them."""
-    n, algorithm = config.actor_rollout_ref.rollout.n, config.algorithm
+def check_groups(config: GRPOConfig, derived: Derived) -> None:
+    """What the estimator needs of the responses to one prompt and of the old policy's pass."""
+    n, algorithm, needs = config.actor_rollout_ref.rollout.n, config.algorithm, derived.estimator
     estimator = algorithm.adv_estimator
-    if estimator not in ADVANTAGE_ESTIMATORS:  # check_names' to report
+    if needs is None:  # check_names' to report
         return
-    needs = ADVANTAGE_ESTIMATORS.info[estimator]
     if n < needs.min_group_size:
-        raise ConfigError(f"algorithm.adv_estimator={estimator} compares responses of one prompt: {ROLLOUT}.n must be >= 2, got {n}")
+        raise ConfigError(f"algorithm.adv_estimator={estimator} compares responses of one prompt: {ROLLOUT}.n must be >= {needs.min_group_size}, got {n}")
     if algorithm.filter_groups.enable and n < 2:
         raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {n}")
     if needs.needs_greedy_baseline and (algorithm.reward_norm or algorithm.reward_clip):
         raise ConfigError(f"algorithm.adv_estimator={estimator} subtracts the greedy response's score from the reward: "
                           "algorithm.reward_norm and reward_clip would put the two on different scales")
-    if needs.needs_sum_pi_squared and bypasses(config):
+    if needs.needs_sum_pi_squared and derived.bypass:
         raise ConfigError(f"algorithm.adv_estimator={estimator} needs each token's sum of squared probabilities from the old policy's "
                           "forward pass, which algorithm.rollout_correction.bypass_mode skips")
     if algorithm.reward_norm == "group" and n < 2:
         raise ConfigError(f"algorithm.reward_norm=group normalizes over each prompt's responses: {ROLLOUT}.n must be >= 2, got {n}")
 
 
-def warn_about_estimates(config: GRPOConfig) -> None:
+def warn_about_estimates(config: GRPOConfig, derived: Derived) -> None:
     algorithm, rollout = config.algorithm, config.actor_rollout_ref.rollout
     if algorithm.use_kl_in_reward and config.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss both penalize the KL to the "
                       "reference: it is counted twice", stacklevel=3)
-    if corrects_rollouts(config) and (rollout.top_p < 1 or rollout.top_k > 0):
+    if derived.corrects_rollouts and (rollout.top_p < 1 or rollout.top_k > 0):
         warnings.warn(f"algorithm.rollout_correction with {ROLLOUT}.top_p={rollout.top_p}, top_k={rollout.top_k}: the "
                       "engine samples from the truncated distribution, the trainer scores the full one, so the weights are biased",
                       stacklevel=3)
 
 
-def check_critic_estimator(config: GRPOConfig) -> None:
+def check_critic_estimator(config: GRPOConfig, derived: Derived) -> None:
     estimator, critic_estimators = config.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS.names(needs_values=True)
-    if estimator in critic_estimators and not uses_critic(config):
+    if estimator in critic_estimators and not derived.uses_critic:
         raise ConfigError(f"algorithm.adv_estimator={estimator} needs the critic's values: remove critic.enable=false")
-    if uses_critic(config) and estimator not in critic_estimators:
+    if derived.uses_critic and estimator not in critic_estimators:
         raise ConfigError(f"critic.enable=true with algorithm.adv_estimator={estimator}: that estimator does not use the critic's "
                           f"values; use algorithm.adv_estimator={'|'.join(critic_estimators)}, or remove critic.enable")
-    if config.trainer.critic_warmup and not uses_critic(config):
+    if config.trainer.critic_warmup and not derived.uses_critic:
         raise ConfigError(f"trainer.critic_warmup={config.trainer.critic_warmup} without a critic (algorithm.adv_estimator={estimator}, "
                           f"critic.enable={config.critic.enable}): there is nothing to warm up")
 
@@ -309,24 +320,25 @@ def reward_sources(config: GRPOConfig) -> tuple[tuple[str, float], ...]:
     return tuple(sources)
 
 
-def check_decoupled_sources(config: GRPOConfig) -> None:
+def check_decoupled_sources(config: GRPOConfig, derived: Derived) -> None:
     """An estimator of each source's own scores (GDPO) normalizes them: a reward that is no source, or that changes
     the summed reward token by token, would be left out (verl's GDPO drops them too), so it is refused."""
     algorithm = config.algorithm
     estimator = algorithm.adv_estimator
-    needs_sources = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info[estimator].needs_source_scores
+    needs_sources = derived.estimator is not None and derived.estimator.needs_source_scores
     if algorithm.gdpo_reward_keys is not None and not needs_sources:
-        raise ConfigError(f"algorithm.gdpo_reward_keys names the reward sources of an estimator that reads each (gdpo): "
-                          f"algorithm.adv_estimator={estimator} reads the summed score (set adv_estimator=gdpo, or drop the keys)")
+        readers = "|".join(ADVANTAGE_ESTIMATORS.names(needs_source_scores=True))
+        raise ConfigError(f"algorithm.gdpo_reward_keys names the reward sources of an estimator that reads each ({readers}): "
+                          f"algorithm.adv_estimator={estimator} reads the summed score (set adv_estimator={readers}, or drop the keys)")
     if not needs_sources:
         return
     if reward_sources(config) and not (config.reward.sources or algorithm.gdpo_reward_keys):
-        raise ConfigError("algorithm.adv_estimator=gdpo normalizes each reward source on its own: with the reward model or the remote "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} normalizes each reward source on its own: with the reward model or the remote "
                           "server as sources, name the rule-based reward in reward.sources too (it is empty)")
     shaping = {"algorithm.use_kl_in_reward": algorithm.use_kl_in_reward, "reward_model.overlong_buffer.enable": config.reward_model.overlong_buffer.enable,
                "algorithm.reward_norm": algorithm.reward_norm, "algorithm.reward_clip": algorithm.reward_clip}
     if given := [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in shaping.items() if value not in (None, False)]:
-        raise ConfigError(f"algorithm.adv_estimator=gdpo normalizes each source's scores in its group, so what changes the summed reward "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} normalizes each source's scores in its group, so what changes the summed reward "
                           f"would be left out (as verl's GDPO leaves it): {', '.join(given)}. Drop it, or use grpo")
 
 
@@ -359,45 +371,53 @@ def check_reference_sync(config: GRPOConfig) -> None:
                           f"({sizes[1]}) must be the actor's ({sizes[0]})")
 
 
-def wants_sampling_log_probs(config: GRPOConfig) -> bool:
-    """Whether the step reads the engine's sampling log-probs (kept, compared or trained on)."""
-    return config.actor_rollout_ref.rollout.calculate_log_probs or corrects_rollouts(config)
-
-
-def check_beam_search(config: GRPOConfig) -> None:
-    rollout, key = config.actor_rollout_ref.rollout, f"{ROLLOUT}.beam_search=true"
+def check_beam_search(config: GRPOConfig, derived: Derived) -> None:
+    rollout, key, engine = config.actor_rollout_ref.rollout, f"{ROLLOUT}.beam_search=true", derived.engine
+    if engine is None:  # check_names' to report
+        return
     if rollout.catalog_file:
-        if rollout.name != "hf":
-            raise ConfigError(f"{ROLLOUT}.catalog_file constrains the hf engine's decoding: {ROLLOUT}.name={rollout.name} takes no prefix "
-                              "constraint here (set rollout.name=hf)")
+        if not engine.constrained:
+            raise ConfigError(f"{ROLLOUT}.catalog_file constrains the engine's decoding: {ROLLOUT}.name={rollout.name} takes no prefix "
+                              f"constraint here (engines that do: {', '.join(ROLLOUT_ENGINES.names(constrained=True))})")
         if rollout.multi_turn.enable:
             raise ConfigError(f"{ROLLOUT}.catalog_file with {ROLLOUT}.multi_turn.enable=true: the catalog constrains a one-turn answer")
         read_catalog(rollout.catalog_file, f"{ROLLOUT}.catalog_file")
     if not rollout.beam_search:
         return
-    if rollout.name != "hf":
-        raise ConfigError(f"{key} runs on the hf engine: {ROLLOUT}.name={rollout.name} (vLLM's beam search is not wired in)")
+    if not engine.beams:
+        raise ConfigError(f"{key}: {ROLLOUT}.name={rollout.name} has no beam search here (engines that do: "
+                          f"{', '.join(ROLLOUT_ENGINES.names(beams=True))})")
     if rollout.multi_turn.enable:
         raise ConfigError(f"{key} with {ROLLOUT}.multi_turn.enable=true: beams answer a prompt in one turn")
-    if wants_sampling_log_probs(config):
+    if derived.sampling_log_probs:
         raise ConfigError(f"{key} gives no sampling log-probs (a beam is not sampled): set {ROLLOUT}.calculate_log_probs=false "
                           "and leave algorithm.rollout_correction off")
 
 
-def check_add_gt(config: GRPOConfig) -> None:
+def rollout_engine_settings(config: GRPOConfig, world: World, info: EngineInfo | None) -> object:
+    """The engine's own settings (`info.settings`), read from the rollout section by their names and checked
+    against where the run's engines are."""
     rollout = config.actor_rollout_ref.rollout
-    if rollout.add_gt and (rollout.multi_turn.enable or wants_sampling_log_probs(config)):
+    if info is None:  # check_names' to report
+        return None
+    placement = EnginePlacement(world.device, max(world.host_processes // rollout.tensor_model_parallel_size, 1))
+    return info.check(engine_settings(info, vars(rollout)), placement)
+
+
+def check_add_gt(config: GRPOConfig, derived: Derived) -> None:
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.add_gt and (rollout.multi_turn.enable or derived.sampling_log_probs):
         raise ConfigError(f"{ROLLOUT}.add_gt=true puts a response no engine sampled into a group: it has no sampling log-probs (leave "
                           f"{ROLLOUT}.calculate_log_probs=false and algorithm.rollout_correction off) and no turns (multi_turn)")
 
 
-def check_layout(config: GRPOConfig, world: World) -> None:
+def check_layout(config: GRPOConfig, world: World, derived: Derived) -> None:
     """Sizes that depend on the number of ranks."""
     data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     sp, tp = actor.ulysses_sequence_parallel_size, rollout.tensor_model_parallel_size
     check_sp_divides_world(sp, world.world_size)
     check_fsdp_size(actor.fsdp_config.fsdp_size, world.world_size, f"{ACTOR}.fsdp_config.fsdp_size")
-    if uses_critic(config):
+    if derived.uses_critic:
         check_fsdp_size(config.critic.model.fsdp_config.fsdp_size, world.world_size, f"{CRITIC}.model.fsdp_config.fsdp_size")
     check_fsdp_size(config.actor_rollout_ref.ref.fsdp_config.fsdp_size, world.world_size, "actor_rollout_ref.ref.fsdp_config.fsdp_size")
     if config.reward_model.enable:
@@ -405,18 +425,13 @@ def check_layout(config: GRPOConfig, world: World) -> None:
     if world.world_size % tp:
         raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world.world_size}): "
                           "each engine spans that many consecutive ranks")
-    utilization, engines = rollout.gpu_memory_utilization, max(world.host_processes // tp, 1)
-    if world.device.type == "cpu" and rollout.name == "vllm" and utilization is not None and utilization * engines > HOST_MEMORY_FOR_ENGINES:
-        raise ConfigError(f"{ROLLOUT}.gpu_memory_utilization={utilization} on CPU: each of this host's {engines} "
-                          f"vLLM engines takes that share of host memory ({utilization * engines:.2f} in all, "
-                          f"the training processes need the rest); set it to at most {HOST_MEMORY_FOR_ENGINES / engines:.2f}, "
-                          "or leave it null")
+    rollout_engine_settings(config, world, derived.engine)
     dp_size = world.world_size // sp
     if data.train_batch_size % dp_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the data-parallel size ({dp_size}): "
                           "each rank generates for whole prompts")
-    layouts = [(ACTOR, actor.ppo_mini_batch_size, actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"))]
-    if uses_critic(config):
+    layouts = [(ACTOR, actor.ppo_mini_batch_size, derived.update_batching)]
+    if derived.uses_critic:
         layouts.append((CRITIC, config.critic.ppo_mini_batch_size, critic_batching(config, forward=False)))
     for prefix, mini_batch_size, micro_batching in layouts:
         if mini_batch_size % dp_size:
@@ -433,31 +448,31 @@ def sequence_length(config: GRPOConfig) -> int:
 
 def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
     """Every rule the config's own checks cannot make: names, rules across sections, the world's sizes."""
-    data, actor = config.data, config.actor_rollout_ref.actor
-    update_batching = actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    data, actor, derived = config.data, config.actor_rollout_ref.actor, derive(config)
     return [
-        *check_names(config),
-        lambda: check_groups(config),
-        lambda: validate_micro_batching(update_batching, sequence_length(config), "data.max_prompt_length + data.max_response_length"),
+        *check_names(config, derived),
+        lambda: check_groups(config, derived),
+        lambda: validate_micro_batching(derived.update_batching, sequence_length(config), "data.max_prompt_length + data.max_response_length"),
         *([lambda: validate_critic(config.critic), lambda: check_critic_mesh(config), lambda: check_critic_batches(config)]
-          if uses_critic(config) else []),
-        lambda: check_critic_estimator(config),
+          if derived.uses_critic else []),
+        lambda: check_critic_estimator(config, derived),
         lambda: check_one_reward_definition(config),
         lambda: resolve_reward_function(config),
         lambda: check_reward_model_layout(config),
-        lambda: check_decoupled_sources(config),
+        lambda: check_decoupled_sources(config, derived),
         lambda: check_reference_sync(config),
-        lambda: check_beam_search(config),
-        lambda: check_add_gt(config),
+        lambda: check_beam_search(config, derived),
+        lambda: check_add_gt(config, derived),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
-        lambda: check_layout(config, world),
-        *([lambda: check_packages(run_packages(config))] if world.here else []),
+        lambda: check_layout(config, world, derived),
+        *([lambda: check_packages(run_packages(config, derived.engine))] if world.here else []),
     ]
 
 
-def run_packages(config: GRPOConfig) -> dict[str, str]:
-    """The optional packages the run imports later: its loggers', and vLLM for its rollouts."""
-    engine = {f"{ROLLOUT}.name=vllm": "vllm"} if config.actor_rollout_ref.rollout.name == "vllm" else {}
+def run_packages(config: GRPOConfig, info: EngineInfo | None) -> dict[str, str]:
+    """The optional packages the run imports later: its loggers', and its rollout engine's (`info`)."""
+    name = config.actor_rollout_ref.rollout.name
+    engine = {f"{ROLLOUT}.name={name}": info.package} if info and info.package else {}
     return {**logger_packages(config.trainer), **engine}
 
 
@@ -468,25 +483,15 @@ def read_grpo_config(cfg: DictConfig, problems: Sequence[str] = (), world: World
     config: GRPOConfig = read_config(cfg, GRPOConfig, problems, own_checks,
                                      lambda typed: plan_checks(typed, world or world_from_environment(typed.trainer.device)))
     world = world or world_from_environment(config.trainer.device)
+    derived = derive(config)
     if world.rank == 0:
-        warn_about_estimates(config)
+        warn_about_estimates(config, derived)
         warn_if_emulated(config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype,
                          f"{ACTOR}.fsdp_config.mixed_precision.param_dtype", world.device)
-        if uses_critic(config):
+        if derived.uses_critic:
             warn_if_emulated(config.critic.model.fsdp_config.mixed_precision.param_dtype, f"{CRITIC}.model.fsdp_config.mixed_precision.param_dtype",
                              world.device)
     return config
-
-
-def memory_share(config: GRPOConfig, world: World) -> float:
-    """rollout.gpu_memory_utilization, or where it is null the largest share that fits: on CPU, the host's engines
-    together take HOST_MEMORY_FOR_ENGINES of its memory; on a GPU, verl's default."""
-    rollout = config.actor_rollout_ref.rollout
-    if rollout.gpu_memory_utilization is not None:
-        return rollout.gpu_memory_utilization
-    if world.device.type == "cpu":
-        return HOST_MEMORY_FOR_ENGINES / max(world.host_processes // rollout.tensor_model_parallel_size, 1)
-    return GPU_MEMORY_UTILIZATION
 
 
 def resolve_grpo(config: GRPOConfig, world: World) -> tuple[GRPOPlan, PreTrainedTokenizerBase]:
@@ -506,10 +511,11 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     dp = world.world_size // sp
     use_kl_in_reward = algorithm.use_kl_in_reward
     correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
-    bypass = bypasses(config)
+    derived = derive(config)
+    bypass = derived.bypass
     needs_reference = actor.use_kl_loss or use_kl_in_reward
     is_upper, is_lower = importance_bounds(correction.rollout_is_threshold)
-    needs = ADVANTAGE_ESTIMATORS.info[algorithm.adv_estimator]
+    needs = derived.estimator
     optimal_token = needs.needs_sum_pi_squared
     loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
@@ -520,21 +526,19 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     loss = LossSettings(loss_mode, actor.loss_agg_mode, POLICY_LOSSES.info[loss_mode].agg_mode or actor.loss_agg_mode, policy,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.sft_loss_coef,
                         actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage)
-    vllm = EngineSettings(memory_share(config, world), rollout.max_num_seqs, rollout.max_num_batched_tokens, rollout.enable_chunked_prefill,
-                          rollout.enforce_eager, rollout.load_format)
     engine = EngineSpec(model.path, compute_dtype(actor.fsdp_config.mixed_precision.param_dtype, world.device), world.device, pad_id,
                         model.trust_remote_code, sequence_length(config), trainer.seed + engine_index(world.rank, rollout.tensor_model_parallel_size),
-                        rollout.tensor_model_parallel_size, rollout.free_cache_engine, vllm, rollout.beam_search, rollout.catalog_file)
+                        rollout.tensor_model_parallel_size, rollout.free_cache_engine, rollout_engine_settings(config, world, derived.engine))
     # bypass: the engine's log-probs are the old policy's, so there is nothing to compare them with, and its
     # rollout_is weighs the reinforce loss, not every loss
     rollout_is = None if bypass else correction.rollout_is
     rejection = tuple(RejectionRule(*rule) for rule in rejection_options(correction.rollout_rs, correction.rollout_rs_threshold))
-    agreement = not bypass and (rollout.calculate_log_probs or rollout.name == "vllm" or rollout_is is not None or bool(rejection))
+    agreement = not bypass and (rollout.calculate_log_probs or derived.engine.always_logs_probs or rollout_is is not None or bool(rejection))
     val = rollout.val_kwargs
     multi_turn = rollout.multi_turn
     overlong = config.reward_model.overlong_buffer
     critic = None
-    if uses_critic(config):
+    if derived.uses_critic:
         critic = CriticPlan(
             ForwardSettings(config.critic.model.use_remove_padding, config.critic.model.share_prompts, chunked_loss_tokens=0, temperature=1.0,
                             pad_id=pad_id),
@@ -547,12 +551,12 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         forward=ForwardSettings(model.use_remove_padding, model.share_prompts, model.chunked_loss_tokens, rollout.temperature, pad_id),
         loss=loss,
         update=UpdateSettings(actor.ppo_epochs, actor.ppo_mini_batch_size // dp * rollout.n, actor.shuffle, trainer.seed, actor.grad_clip),
-        update_batching=actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"),
+        update_batching=derived.update_batching,
         log_prob_batching=actor_batching(config, rollout.log_prob_micro_batch_size_per_gpu, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
         ref_batching=actor_batching(config, ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
         needs_reference=needs_reference,
         reference_sync=ReferenceSync(ref.ref_model_sync_steps, ref.ref_model_mixup_alpha) if ref.sync_ref_model else None,
-        engine=engine, engine_name=rollout.name,
+        engine=engine, engine_name=rollout.name, ranked_responses=rollout.beam_search,
         request=RolloutRequest(rollout.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, rollout.temperature,
                                rollout.top_p, rollout.top_k, rollout.do_sample, calculate_log_probs=agreement or bypass),
         validation=RolloutRequest(val.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu,

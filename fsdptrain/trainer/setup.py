@@ -106,12 +106,12 @@ class Run:
     step: int  # the last completed step: 0, or the resumed checkpoint's
     trained_rows: TrainedRows | None  # freeze_llm: the token rows that train (the optimizer step's business)
 
-    def due(self, step: int, every: int, last_when_off: bool) -> bool:
+    def due(self, step: int, every: int, last_when_off: bool | None = None) -> bool:
         """Whether something done every `every` steps and at the last is done at `step`; `every` <= 0: never, or at
-        the last step alone where `last_when_off`."""
+        the last step alone where `last_when_off` (None: as the trainer validates and saves, its last_step_when_off)."""
         if every > 0:
             return step % every == 0 or step == self.total_steps
-        return last_when_off and step == self.total_steps
+        return (self.trainer.last_step_when_off if last_when_off is None else last_when_off) and step == self.total_steps
 
     def end_step(self, step: int, metrics: dict[str, float], **postfix: str) -> None:
         """Log the step's metrics, move the progress bar (showing `postfix`), and save at trainer.save_freq."""
@@ -120,7 +120,7 @@ class Run:
         if postfix:
             self.bar.set_postfix(**postfix)
         self.bar.update(1)
-        if self.due(step, self.trainer.save_freq, self.trainer.last_step_when_off):
+        if self.due(step, self.trainer.save_freq):
             self.checkpoints.save(step)
 
     def finish(self, shutdown: Callable[[], None] | None = None) -> None:

@@ -128,7 +128,7 @@ def run_sft(plan: SFTPlan) -> None:
                 "perf/tokens_per_sec": seen / elapsed,
                 "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
             }
-            if val and run.due(step, trainer.test_freq, trainer.last_step_when_off):
+            if val and run.due(step, trainer.test_freq):
                 metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
             run.end_step(step, metrics)
             history.append({"step": step, **metrics})

@@ -6,17 +6,14 @@ one call; it appends the turn's generated tokens with response mask 1 and the to
 results) with 0, so that a trajectory is one Generation whatever the number of turns, with its AgentTrace.
 """
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from fsdptrain.registry import Registry
-
-if TYPE_CHECKING:
-    from fsdptrain.rl.rollout.vllm import EngineSettings
 
 
 @dataclass
@@ -119,7 +116,7 @@ class RolloutEngine(Protocol):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What any engine is built from; `vllm` holds the settings only vLLM reads."""
+    """What any engine is built from; `settings` holds the engine's own (its EngineInfo.settings)."""
 
     path: str
     dtype: torch.dtype
@@ -130,10 +127,41 @@ class EngineSpec:
     seed: int  # the same on every rank of one engine
     tensor_parallel_size: int
     free_cache_engine: bool  # sleep between rollouts where the platform can (CUDA), freeing the accelerator for training
-    vllm: "EngineSettings"
-    beam_search: bool = False  # rollout.beam_search (the hf engine's): a prompt's n responses are its n beams
-    catalog_file: str | None = None  # rollout.catalog_file: responses constrained to its items (rollout/beams.py)
+    settings: Any  # an instance of the engine's EngineInfo.settings
+    distributed: bool = True  # in a torchrun job, its ranks sharing engines; False: one process alone (evaluate.py)
 
 
-# Each engine's module registers the function that builds it from an EngineSpec (rollout.name selects it).
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where a run's engines are: what an engine's settings are checked against."""
+
+    device: torch.device
+    engines_on_host: int  # engines sharing one host's memory
+
+
+def no_check(settings: Any, placement: EnginePlacement) -> Any:
+    """An engine whose settings need nothing of where it runs."""
+    return settings
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """A rollout engine's declaration: its own settings and what it can do. The plan reads the settings' fields
+    from the rollout section by name, checks them with `check`, and refuses what the engine cannot do, without
+    naming an engine."""
+
+    settings: type  # a dataclass of the engine's own settings, each field named as its key in actor_rollout_ref.rollout
+    check: Callable[[Any, EnginePlacement], Any] = no_check  # the settings against the placement, what is null filled in (ConfigError naming the key)
+    beams: bool = False  # answers a prompt with its n best beams (settings.beam_search)
+    constrained: bool = False  # restricts responses to a catalog's items (settings.catalog_file)
+    always_logs_probs: bool = False  # returns its sampling log-probs on every call: the plan compares them with the trainer's
+    package: str | None = None  # the optional package it imports (config.base.PACKAGES), checked before any work
+
+
+def engine_settings(info: EngineInfo, values: Mapping[str, Any]) -> Any:
+    """The engine's settings: each field named in `values` takes its value there, the others their defaults."""
+    return info.settings(**{f.name: values[f.name] for f in fields(info.settings) if f.name in values})
+
+
+# Each engine's module registers the function that builds it from an EngineSpec (rollout.name selects it), with its EngineInfo.
 ROLLOUT_ENGINES: Registry[Callable[[EngineSpec], RolloutEngine]] = Registry("rollout engine")

@@ -5,6 +5,7 @@ catalog, every response one of its items). Runs wherever transformers runs."""
 
 import inspect
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -20,7 +21,7 @@ from transformers import (
 
 from fsdptrain.distributed.offload import HostCopies, release_cached
 from fsdptrain.models.attention import GROUPED_ATTENTION
-from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineSpec, Generation
+from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EngineSpec, Generation
 from fsdptrain.rl.rollout.beams import beam_search, catalog_tree, read_catalog
 
 
@@ -212,7 +213,16 @@ class HFRollout:
         return [*self.model.parameters(), *self.model.buffers()]
 
 
-@ROLLOUT_ENGINES.register("hf")
+@dataclass(frozen=True)
+class HFSettings:
+    """The hf engine's own settings (actor_rollout_ref.rollout.*)."""
+
+    beam_search: bool = False  # a prompt's n responses are its n beams (rollout/beams.py)
+    catalog_file: str | None = None  # responses constrained to its items
+
+
+@ROLLOUT_ENGINES.register("hf", info=EngineInfo(HFSettings, beams=True, constrained=True))
 def build_hf_rollout(spec: EngineSpec) -> HFRollout:
-    return HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine, spec.beam_search,
-                     spec.catalog_file)
+    settings: HFSettings = spec.settings
+    return HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine, settings.beam_search,
+                     settings.catalog_file)

@@ -10,7 +10,7 @@ import contextlib
 import glob
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -18,21 +18,41 @@ import torch.distributed as dist
 from fsdptrain.config.base import PACKAGES
 from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.errors import ConfigError
-from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineSpec, Generation
+from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EnginePlacement, EngineSpec, Generation
 
 INSTALL = PACKAGES["vllm"][1]
+ROLLOUT = "actor_rollout_ref.rollout"
+HOST_MEMORY_FOR_ENGINES = 0.8  # on CPU: the share of host memory all of a host's engines may take together
+GPU_MEMORY_UTILIZATION = 0.5  # verl's default for one engine a GPU
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineSettings:
-    """vLLM engine arguments, named as vLLM and verl name them."""
+    """vLLM engine arguments, named as vLLM and verl name them (actor_rollout_ref.rollout.*); the defaults are a
+    standalone engine's (evaluate.py), the trainer's come from its rollout section."""
 
-    gpu_memory_utilization: float  # on CPU: the share of host memory the engine takes (weights and KV cache)
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_chunked_prefill: bool
-    enforce_eager: bool
-    load_format: str  # dummy: random weights until the trainer's first sync
+    gpu_memory_utilization: float | None = None  # on CPU: the share of host memory the engine takes (weights and KV cache)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = True
+    load_format: str = "auto"  # dummy: random weights until the trainer's first sync
+
+
+def checked_settings(settings: EngineSettings, placement: EnginePlacement) -> EngineSettings:
+    """gpu_memory_utilization within what the host has, or where it is null the largest share that fits: on CPU,
+    the host's engines together take HOST_MEMORY_FOR_ENGINES of its memory, the training processes the rest; on a
+    GPU, verl's default."""
+    share, engines = settings.gpu_memory_utilization, placement.engines_on_host
+    if placement.device.type != "cpu":
+        return settings if share is not None else replace(settings, gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+    if share is None:
+        return replace(settings, gpu_memory_utilization=HOST_MEMORY_FOR_ENGINES / engines)
+    if share * engines > HOST_MEMORY_FOR_ENGINES:
+        raise ConfigError(f"{ROLLOUT}.gpu_memory_utilization={share} on CPU: each of this host's {engines} vLLM engines takes that share "
+                          f"of host memory ({share * engines:.2f} in all, the training processes need the rest); set it to at most "
+                          f"{HOST_MEMORY_FOR_ENGINES / engines:.2f}, or leave it null")
+    return settings
 
 
 def import_vllm():
@@ -40,7 +60,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ConfigError(f"actor_rollout_ref.rollout.name=vllm needs vLLM, which is not installed ({e}); install it with: {INSTALL}") from None
+        raise ConfigError(f"{ROLLOUT}.name=vllm needs vLLM, which is not installed ({e}); install it with: {INSTALL}") from None
     return vllm
 
 
@@ -136,7 +156,7 @@ class VLLMRollout:
             self.asleep = False
 
 
-@ROLLOUT_ENGINES.register("vllm")
+@ROLLOUT_ENGINES.register("vllm", info=EngineInfo(EngineSettings, checked_settings, always_logs_probs=True, package="vllm"))
 def build_vllm_rollout(spec: EngineSpec) -> VLLMRollout:
-    return VLLMRollout(spec.path, spec.dtype, spec.max_model_len, spec.seed, spec.vllm, distributed=True, trust_remote_code=spec.trust_remote_code,
+    return VLLMRollout(spec.path, spec.dtype, spec.max_model_len, spec.seed, spec.settings, spec.distributed, trust_remote_code=spec.trust_remote_code,
                        tensor_parallel_size=spec.tensor_parallel_size, free_cache_engine=spec.free_cache_engine)
