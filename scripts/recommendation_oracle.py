@@ -3,10 +3,11 @@ NDCG@K as measured (against each user's one drawn target) and as expected under 
 next item (no draw: the noise of a few hundred targets gone), for the model's ranking, for the Bayes ranking, and for
 the model's K items put in Bayes order (how much of the gap is the order and how much the set).
 
-    python scripts/recommendation_oracle.py EVAL.jsonl [--seed 0] [--k 10]
+    python scripts/recommendation_oracle.py EVAL.jsonl [--seed 0] [--k 10] [--preference DATA/preference.json]
 
 EVAL.jsonl: `python -m fsdptrain.evaluate ... --beams K --out EVAL.jsonl` on the data's rl_{val,test}.parquet; --seed
-is the data's (it fixes the catalog's popularity).
+is the data's (it fixes the catalog's popularity). --preference: the data was made with --preference, and its
+held-out targets follow the users' preference, not their clicks: expected figures are under that preference.
 """
 
 import argparse
@@ -19,6 +20,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_recommendation_data as data  # noqa: E402
+import preference_reward  # noqa: E402
 
 
 def hit_and_gain(ranking: list[str], probability: dict[str, float], k: int) -> tuple[float, float]:
@@ -32,8 +34,11 @@ def main() -> None:
     parser.add_argument("eval_jsonl")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--preference", help="the data's preference.json (make_recommendation_data.py --preference)")
     args = parser.parse_args()
     leaves = data.catalog(random.Random(args.seed))
+    if args.preference:
+        leaves = preference_reward.preferred_leaves(args.preference)
     users = defaultdict(list)
     for line in open(args.eval_jsonl):
         row = json.loads(line)

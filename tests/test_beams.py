@@ -98,6 +98,48 @@ def test_the_engines_beams_are_transformers_constrained_beam_search(tiny_llama, 
         assert all(ids in sequences for ids in mine) and len({tuple(ids) for ids in mine}) == 4  # distinct catalog items
 
 
+def test_the_folders_generation_config_takes_no_part_in_the_beams(tmp_path, tiny_llama, catalog_file):
+    """A folder as an instruct model ships it (Qwen2.5-Instruct's generation_config.json: a repetition penalty,
+    sampling settings, two end tokens): the engine's beams are still plain log-prob beams, transformers' constrained
+    search with none of it on the folder without them, each item ending with the one end token, so coming once."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = [tokenizer(text)["input_ids"] for text in ("Recommend something sweet:", "cherry cherry cherry jam, then")]
+    sequences = [tokenizer(item, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for item in ITEMS]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    # the second end token: the one the model likes best after an item, so that an item ending with it would take a beam
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0] + sequences[0][:-1]])).logits[0, -1]
+    logits[[token for ids in sequences for token in ids]] = float("-inf")
+    end, other_end = tokenizer.eos_token_id, int(logits.argmax())
+    folder = tmp_path / "instruct"
+    shutil.copytree(tiny_llama, folder)
+    GenerationConfig(repetition_penalty=1.05, do_sample=True, temperature=0.7, top_k=20, top_p=0.8, eos_token_id=[end, other_end],
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(folder)
+    engine = HFRollout(str(folder), torch.device("cpu"), torch.float32, tokenizer.pad_token_id, beams=True, catalog_file=catalog_file)
+
+    def constraint(width: int):
+        def allowed(batch_id, ids):
+            done = ids[width:].tolist()
+            return sorted({s[len(done)] for s in sequences if len(s) > len(done) and s[: len(done)] == done}) or [end]
+
+        return allowed
+
+    generations = engine.generate(prompts, n=4, max_new_tokens=8, batch_size=4)
+    for k, prompt in enumerate(prompts):
+        output = model.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4, do_sample=False, repetition_penalty=1.0,
+                                length_penalty=0.0, early_stopping=True, max_new_tokens=8, eos_token_id=end, pad_token_id=tokenizer.pad_token_id,
+                                prefix_allowed_tokens_fn=constraint(len(prompt)))
+        expected = [row[: row.index(end) + 1] for row in output[:, len(prompt):].tolist()]
+        assert [g.response_ids for g in generations[4 * k : 4 * k + 4]] == expected
+        assert len({tuple(g.response_ids) for g in generations[4 * k : 4 * k + 4]}) == 4
+    assert all(end in engine.catalog[tuple(ids[:-1])] for ids in sequences)  # an item ends one way
+    assert not any(other_end in allowed for allowed in engine.catalog.values())
+
+
 @pytest.mark.parametrize("share_prompts", [True, False], ids=["shared-prompts", "one-row-each"])
 def test_the_trainers_log_probs_of_beams_are_a_plain_forward(tiny_llama, catalog_file, share_prompts):
     """The beams of a batched, left-padded search made into training samples (make_samples) and forwarded as the
@@ -161,10 +203,12 @@ def test_beam_settings_that_cannot_work_are_refused(catalog_file):
 
 
 @pytest.mark.slow
-def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_llama, rl_data):
+@pytest.mark.parametrize("estimator", ["grpo", "beam_pg"])
+def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_llama, rl_data, estimator):
     """The arithmetic prompts, the catalog their answers and some distractors, the ranking reward alone, add_gt:
     every response of every group is a catalog item and an end token, each group's 4 beams distinct and the
-    ground truth among them; validation logs HR@1 and NDCG@1."""
+    ground truth among them; validation logs HR@1 and NDCG@1. beam_pg's advantages sum to 0 in each group, the
+    best-rewarded beam's at least 0, the worst's at most."""
     answers = sorted({str(row["reward_model"]["ground_truth"]) for split in ("train", "val")
                       for row in pq.read_table(rl_data / f"rl_{split}.parquet").to_pylist()})
     catalog = tmp_path / "answers.txt"
@@ -173,7 +217,8 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
     sources = '[{name:ranking,function:item_ranking,weight:1.0}]'
     args = grpo_args(tiny_llama, rl_data, out, actor_rollout_ref__rollout__beam_search="true", actor_rollout_ref__rollout__catalog_file=str(catalog),
                      custom_reward_function__path="null", reward__sources=sources, trainer__rollout_data_dir=f"{out}/rollouts",
-                     actor_rollout_ref__rollout__val_kwargs__n=4, trainer__test_freq=2, actor_rollout_ref__rollout__add_gt="true")
+                     actor_rollout_ref__rollout__val_kwargs__n=4, trainer__test_freq=2, actor_rollout_ref__rollout__add_gt="true",
+                     algorithm__adv_estimator=estimator)
     torchrun(2, "fsdptrain.grpo_trainer", args)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -191,6 +236,10 @@ def test_grpo_over_constrained_beams_answers_with_catalog_items(tmp_path, tiny_l
             assert len({tuple(r["response_ids"]) for r in group}) == 4
             answer = tokenizer(str(group[0]["ground_truth"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             assert answer in [r["response_ids"] for r in group]  # add_gt: the ground truth is in every group
+            if estimator == "beam_pg":
+                advantages, rewards = [r["advantage"] for r in group], [r["seq_reward"] for r in group]
+                assert sum(advantages) == pytest.approx(0, abs=1e-6)
+                assert advantages[rewards.index(max(rewards))] >= 0 >= advantages[rewards.index(min(rewards))]
 
 
 @pytest.mark.slow

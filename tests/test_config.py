@@ -202,6 +202,12 @@ def test_newer_verls_reward_keys_are_accepted():
     function = resolve_reward_function(grpo_config("reward.custom_reward_function.path=mine.py", "reward.custom_reward_function.name=score_it"))
     assert (function.path, function.name) == ("mine.py", "score_it")
     assert resolve_reward_function(grpo_config("reward.custom_reward_function.path=mine.py")).name == "compute_score"
+    # verl's reward_kwargs, given to every call: either place, the newer's winning a key both set
+    function = resolve_reward_function(grpo_config("reward.custom_reward_function.path=mine.py", "+custom_reward_function.reward_kwargs.scale=2",
+                                                   "+reward.custom_reward_function.reward_kwargs.table=t.json"))
+    assert function.reward_kwargs == {"scale": 2, "table": "t.json"}
+    with pytest.raises(ConfigError, match="reward_kwargs is set without reward.custom_reward_function.path"):
+        grpo_config("+reward.custom_reward_function.reward_kwargs.scale=2")
 
 
 def test_rollout_correction_under_top_p_warns():

@@ -29,6 +29,47 @@ def test_grpo_advantages_by_hand():
                                torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0]))  # verl's vectorized form: 0 for a lone sample
 
 
+def test_beam_pg_by_hand():
+    """Three beams whose probabilities renormalize to .5, .3, .2 (two tokens each), rewards 1, 0, .5: the set's
+    mean reward .6, advantages .5 x .4, .3 x -.6, .2 x -.1 on every token; a group of two equal beams with equal
+    rewards gets 0; the advantages of a group sum to 0."""
+    log_probs = torch.tensor([[math.log(0.5) - 1, 1.0], [math.log(0.3) - 1, 1.0], [math.log(0.2) - 1, 1.0], [-1.0, -2.0], [-2.0, -1.0]])
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.5], [0.0, 1.0], [0.0, 1.0]])
+    advantages, _ = ADVANTAGE_ESTIMATORS["beam_pg"](EstimatorBatch(rewards, torch.ones(5, 2), torch.tensor([0, 0, 0, 1, 1]), old_log_probs=log_probs))
+    torch.testing.assert_close(advantages[:, 0], torch.tensor([0.2, -0.18, -0.02, 0.0, 0.0]))
+    torch.testing.assert_close(advantages[:, 1], advantages[:, 0])
+
+
+def test_beam_pg_is_the_gradient_of_the_sets_expected_reward(tiny_llama):
+    """On a tiny model, four responses to one prompt: sum_k A_k grad log pi(y_k), with beam_pg's advantages, equals
+    autograd's gradient of E_pi~[r] = softmax(log pi(y))·r."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64)
+    prompt, responses = [5, 17, 42], [[7, 8, 2], [7, 9, 2], [11, 2], [12, 13, 14, 2]]
+    width = max(map(len, responses))
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses], dtype=torch.float64)
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(4), mask.sum(-1).long() - 1] = torch.tensor([1.0, 0.2, 0.0, 0.7], dtype=torch.float64)
+
+    def token_log_probs() -> torch.Tensor:
+        rows = []
+        for response in responses:
+            ids = torch.tensor([prompt + response])
+            row = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1).gather(1, ids[0, len(prompt):, None])[:, 0]
+            rows.append(torch.cat([row, row.new_zeros(width - len(response))]))
+        return torch.stack(rows)
+
+    expected_reward = ((token_log_probs() * mask).sum(-1).softmax(0) * rewards.sum(-1)).sum()
+    expected = torch.autograd.grad(expected_reward, list(model.parameters()))
+    log_probs = token_log_probs()
+    advantages, _ = ADVANTAGE_ESTIMATORS["beam_pg"](EstimatorBatch(rewards, mask, torch.zeros(4), old_log_probs=log_probs.detach()))
+    ours = torch.autograd.grad((advantages * log_probs * mask).sum(), list(model.parameters()))
+    assert sum(float(g.abs().sum()) for g in expected) > 1e-6
+    for mine, theirs in zip(ours, expected):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12)
+
+
 def reinforce_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """REINFORCE++'s returns of one response."""
     returns, _ = ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](EstimatorBatch(rewards[None], mask[None], torch.zeros(1), gamma=gamma))

@@ -198,11 +198,15 @@ def test_an_estimator_of_a_new_kind_is_its_function_and_declaration(tmp_path, ti
     args = grpo_args(tiny_llama, rl_data, out, algorithm__adv_estimator="group_value_baseline", trainer__total_training_steps=1,
                      critic__ppo_micro_batch_size_per_gpu=2, data__val_files="null")
     world = World(0, 2, 2, torch.device("cpu"))
-    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
-        plan, _ = resolve_grpo(read_grpo_config(compose(config_name="grpo_trainer", overrides=args), world=world), world)
-        assert plan.critic_model is not None
-        with pytest.raises(ConfigError, match=r"group_value_baseline compares responses of one prompt: .*n must be >= 2, got 1"):
-            read_grpo_config(compose(config_name="grpo_trainer", overrides=[*args, "actor_rollout_ref.rollout.n=1"]), world=world)
+    try:
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            plan, _ = resolve_grpo(read_grpo_config(compose(config_name="grpo_trainer", overrides=args), world=world), world)
+            assert plan.critic_model is not None
+            with pytest.raises(ConfigError, match=r"group_value_baseline compares responses of one prompt: .*n must be >= 2, got 1"):
+                read_grpo_config(compose(config_name="grpo_trainer", overrides=[*args, "actor_rollout_ref.rollout.n=1"]), world=world)
+    finally:  # registered for this test alone: other tests walk the registry
+        del ADVANTAGE_ESTIMATORS.entries["group_value_baseline"], ADVANTAGE_ESTIMATORS.info["group_value_baseline"]
+        del sys.modules["checks.new_estimator_check"]
     result = torchrun(2, "tests.checks.new_estimator_check", args)
     assert result.stdout.count("group_value_baseline: 8 responses, 2 groups, values (8, ") == 2, result.stdout[-3000:]
     [metrics] = read_metrics(out)

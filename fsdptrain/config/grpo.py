@@ -472,6 +472,7 @@ def validate_reward_shaping(algorithm: AlgorithmConfig) -> None:
 class CustomRewardConfig:
     path: str | None
     name: str | None
+    reward_kwargs: dict[str, Any]  # verl's: keyword arguments every call of the function is given
 
 
 @dataclass

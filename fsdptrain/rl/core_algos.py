@@ -25,11 +25,13 @@ class EstimatorInfo:
 
     needs_values: bool = False  # a critic, whose values it reads (EstimatorBatch.values)
     needs_greedy_baseline: bool = False  # each prompt answered greedily too, its score the baseline (greedy_scores)
+    needs_old_log_probs: bool = False  # the old policy's log-probs before the update (so its pass runs, not folded into the update's first)
     needs_sum_pi_squared: bool = False  # the old-policy pass keeps each token's sum of squared probabilities (and so runs: not under bypass)
     needs_source_scores: bool = False  # each reward source's own score: what changes the summed reward token by token is not one of them
     min_group_size: int = 1  # responses a prompt at least (actor_rollout_ref.rollout.n)
     whitened: bool = False  # whitened afterwards over the whole batch's tokens (every rank's)
     batch_scaled: bool = False  # reads EstimatorBatch.batch_scale
+    sequence_weights: bool = False  # its advantage weighs a response's summed log-prob: a per-response token mean (seq-mean-token-mean) would reweigh it
 
 
 @dataclass(frozen=True)
@@ -225,16 +227,33 @@ def optimal_token_estimate(batch: EstimatorBatch, compact: bool) -> tuple[torch.
     return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", info=EstimatorInfo(needs_sum_pi_squared=True))
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", info=EstimatorInfo(needs_old_log_probs=True, needs_sum_pi_squared=True))
 def optimal_token_baseline_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The optimal token baseline, tokens aligned by position."""
     return optimal_token_estimate(batch, compact=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", info=EstimatorInfo(needs_sum_pi_squared=True))
+@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", info=EstimatorInfo(needs_old_log_probs=True, needs_sum_pi_squared=True))
 def tir_optimal_token_baseline_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The optimal token baseline of multi-turn trajectories, trained tokens aligned by their count."""
     return optimal_token_estimate(batch, compact=True)
+
+
+@ADVANTAGE_ESTIMATORS.register("beam_pg", info=EstimatorInfo(needs_old_log_probs=True, min_group_size=2, sequence_weights=True))
+def beam_pg_advantages(batch: EstimatorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of the expected reward over each prompt's set of responses (its beams), the set's
+    distribution pi~ being the responses' probabilities renormalized over it (a softmax of their summed old
+    log-probs): each response's advantage pi~_k (r_k - sum_j pi~_j r_j) on every token, so that
+    sum_k A_k grad log pi(y_k) = grad E_pi~[r]. A group-normalized advantage over a deterministic top-k is not a
+    gradient: sum_k grad log pi(y_k) is not 0 on the set, and its mean baseline drains the set into the tail."""
+    scores, sequence_log_probs = batch.token_rewards.sum(-1), (batch.old_log_probs * batch.mask).sum(-1)
+    per_sequence = torch.empty_like(scores)
+    for group in batch.group_ids.unique():
+        members = batch.group_ids == group
+        weights = sequence_log_probs[members].softmax(0)
+        per_sequence[members] = weights * (scores[members] - (weights * scores[members]).sum())
+    advantages = per_sequence[:, None] * batch.mask
+    return advantages, advantages
 
 
 @ADVANTAGE_ESTIMATORS.register("remax", info=EstimatorInfo(needs_greedy_baseline=True))

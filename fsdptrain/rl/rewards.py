@@ -5,7 +5,9 @@ and returns a float or a dict with a `score` key (an `acc` key, where given, is 
 are logged). The GRPO trainer's validation and `python -m fsdptrain.evaluate` call the same functions.
 """
 
+import functools
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -164,9 +166,9 @@ def item_ranking_verifier(data_source: str, solution: str, ground_truth: Any, ex
     return -weights[rank] / sum(weights)
 
 
-def load_reward_function(path: str | None, name: str | None, key: str = "custom_reward_function") -> RewardFn:
-    """The user's function `name` from the Python file `path`, or the built-in rules when no path is given; errors
-    name the keys under `key`."""
+def load_reward_function(path: str | None, name: str | None, key: str = "custom_reward_function", kwargs: dict | None = None) -> RewardFn:
+    """The user's function `name` from the Python file `path`, given `kwargs` on every call besides the four
+    arguments (verl's reward_kwargs), or the built-in rules when no path is given; errors name the keys under `key`."""
     if not path:
         return default_compute_score
     if not os.path.isfile(path):
@@ -181,7 +183,13 @@ def load_reward_function(path: str | None, name: str | None, key: str = "custom_
     function = getattr(module, name, None)
     if not callable(function):
         raise RewardError(f"{key}.{'function' if key.startswith('reward.sources') else 'name'}={name!r}: {path} defines no such function")
-    return function
+    if not kwargs:
+        return function
+    try:
+        inspect.signature(function).bind("data_source", "solution_str", "ground_truth", {}, **kwargs)
+    except TypeError as e:
+        raise RewardError(f"{key}.reward_kwargs: {path}'s {name} cannot take {sorted(kwargs)}: {e}") from None
+    return functools.partial(function, **kwargs)
 
 
 SOURCE = "source/"  # the prefix of a reward source's own score among a sample's scores

@@ -337,10 +337,10 @@ def build_reward_function(reward: RewardPlan) -> RewardFn:
     if reward.sources:
         return weighted_sources(load_reward_sources(reward.sources))
     if reward.entries is not None:
-        return entry_sources(load_reward_function(reward.function.path, reward.function.name), reward.entries)
+        return entry_sources(load_reward_function(reward.function.path, reward.function.name, kwargs=reward.function.reward_kwargs), reward.entries)
     if (reward.model is not None or reward.remote_url) and not reward.function.path:
         return no_reward
-    return load_reward_function(reward.function.path, reward.function.name)
+    return load_reward_function(reward.function.path, reward.function.name, kwargs=reward.function.reward_kwargs)
 
 
 def load_rl_prompts(data: RLDataConfig, default_agent_loop: str, files: list[str], tokenizer, key: str, tools: dict[str, BaseTool],

@@ -236,6 +236,12 @@ def check_groups(config: GRPOConfig, derived: Derived) -> None:
     if needs.needs_greedy_baseline and (algorithm.reward_norm or algorithm.reward_clip):
         raise ConfigError(f"algorithm.adv_estimator={estimator} subtracts the greedy response's score from the reward: "
                           "algorithm.reward_norm and reward_clip would put the two on different scales")
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    agg_mode = POLICY_LOSSES.info[loss_mode].agg_mode if loss_mode in POLICY_LOSSES else None
+    if needs.sequence_weights and (agg_mode or config.actor_rollout_ref.actor.loss_agg_mode) == "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.adv_estimator={estimator} weighs each response's summed log-prob: a loss aggregated as "
+                          f"seq-mean-token-mean ({ACTOR}.loss_agg_mode, or loss_mode={loss_mode}'s own) divides it by the response's "
+                          "length; use token-mean or seq-mean-token-sum")
     if needs.needs_sum_pi_squared and derived.bypass:
         raise ConfigError(f"algorithm.adv_estimator={estimator} needs each token's sum of squared probabilities from the old policy's "
                           "forward pass, which algorithm.rollout_correction.bypass_mode skips")
@@ -299,13 +305,13 @@ def resolve_reward_function(config: GRPOConfig) -> CustomRewardConfig:
     """The custom reward function from custom_reward_function.* or newer verl's reward.custom_reward_function.*."""
     legacy, newer = config.custom_reward_function, config.reward.custom_reward_function
     if newer.path is None:
-        if newer.name is not None:
-            raise ConfigError("reward.custom_reward_function.name is set without reward.custom_reward_function.path")
+        if given := [key for key, value in (("name", newer.name), ("reward_kwargs", newer.reward_kwargs)) if value]:
+            raise ConfigError(f"reward.custom_reward_function.{' and '.join(given)} is set without reward.custom_reward_function.path")
         return legacy
     if legacy.path is not None and legacy.path != newer.path:
         raise ConfigError(f"custom_reward_function.path ({legacy.path}) and reward.custom_reward_function.path ({newer.path}) "
                           "disagree: set one of them")
-    return CustomRewardConfig(newer.path, newer.name or legacy.name)
+    return CustomRewardConfig(newer.path, newer.name or legacy.name, {**legacy.reward_kwargs, **newer.reward_kwargs})
 
 
 def reward_sources(config: GRPOConfig) -> tuple[tuple[str, float], ...]:
@@ -516,7 +522,6 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     needs_reference = actor.use_kl_loss or use_kl_in_reward
     is_upper, is_lower = importance_bounds(correction.rollout_is_threshold)
     needs = derived.estimator
-    optimal_token = needs.needs_sum_pi_squared
     loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
                                 actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
@@ -566,11 +571,11 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         max_gen_batches=algorithm.filter_groups.max_num_gen_batches,
         score_later=config.reward_model.launch_reward_fn_async,
         one_pass=(actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == data.train_batch_size and not use_kl_in_reward
-                  and rollout_is is None and not rejection and not bypass and not optimal_token),
+                  and rollout_is is None and not rejection and not bypass and not needs.needs_old_log_probs),
         add_ground_truth=rollout.add_gt,
         old_from_rollout=bypass,
         greedy_baseline=needs.needs_greedy_baseline,
-        sum_pi_squared=optimal_token,
+        sum_pi_squared=needs.needs_sum_pi_squared,
         agreement=agreement,
         correction=Correction(rollout_is, is_upper, is_lower, correction.rollout_is_batch_normalize, rejection),
         advantage=AdvantageSettings(algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo, algorithm.gamma, algorithm.lam,

@@ -1,8 +1,9 @@
 """Beam-search rollouts constrained to a catalog (MiniOneRec's generative recommendation): each prompt's group is
 its `n` beams, distinct responses best first (a response's place in its group is its beam rank), found by
 transformers' beam search with no sampling and no length penalty, so that a beam's score is the sum of its
-tokens' log-probs under the full softmax (MiniOneRec's). With a catalog every response is one of its items
-followed by an end token: a prefix tree over the items' token ids allows, at each step, only the tokens that
+tokens' log-probs under the full softmax (MiniOneRec's): nothing of the model folder's generation_config.json
+(a repetition penalty, sampling settings) takes part (hf.py gives the engine's copy a neutral one). With a
+catalog every response is one of its items followed by one end token (item_end): a prefix tree over the items' token ids allows, at each step, only the tokens that
 continue some item. The trainer's log-probs of the beams are those of the unconstrained softmax, as MiniOneRec
 trains (rollout and update agree: neither renormalizes over the allowed tokens).
 
@@ -27,15 +28,22 @@ def read_catalog(path: str, key: str) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def catalog_tree(items: Sequence[str], tokenizer: PreTrainedTokenizerBase, end_ids: Sequence[int]) -> dict[tuple[int, ...], list[int]]:
+def item_end(tokenizer: PreTrainedTokenizerBase, end_ids: Sequence[int]) -> int:
+    """The one token that ends an item: the tokenizer's end of sequence where the model ends with it (an instruct
+    model's end of turn, which its fine-tuning targets close with), else the model's first end token. One only, or
+    an item could end two ways and fill two beams."""
+    return tokenizer.eos_token_id if tokenizer.eos_token_id in end_ids else end_ids[0]
+
+
+def catalog_tree(items: Sequence[str], tokenizer: PreTrainedTokenizerBase, end_id: int) -> dict[tuple[int, ...], list[int]]:
     """Each prefix of an item's token ids (the empty one included) -> the tokens that may follow it; a whole item
-    is followed by the end tokens."""
+    is followed by `end_id` alone."""
     tree: dict[tuple[int, ...], set[int]] = {}
     for item in items:
         ids = tuple(tokenizer(item, add_special_tokens=False)["input_ids"])
         for length in range(len(ids)):
             tree.setdefault(ids[:length], set()).add(ids[length])
-        tree.setdefault(ids, set()).update(end_ids)
+        tree.setdefault(ids, set()).add(end_id)
     return {prefix: sorted(tokens) for prefix, tokens in tree.items()}
 
 

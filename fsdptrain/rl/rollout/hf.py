@@ -12,6 +12,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Cache,
+    GenerationConfig,
     LogitsProcessorList,
     PreTrainedModel,
     TemperatureLogitsWarper,
@@ -22,7 +23,7 @@ from transformers import (
 from fsdptrain.distributed.offload import HostCopies, release_cached
 from fsdptrain.models.attention import GROUPED_ATTENTION
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EngineSpec, Generation
-from fsdptrain.rl.rollout.beams import beam_search, catalog_tree, read_catalog
+from fsdptrain.rl.rollout.beams import beam_search, catalog_tree, item_end, read_catalog
 
 
 def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
@@ -168,13 +169,17 @@ class HFRollout:
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
         self.group = None  # every rank runs its own copy
         self.end_ids = end_token_ids(self.model, pad_id)
+        # What decides a response is what the rollout asks for: the folder's generation_config.json (a repetition
+        # penalty, sampling settings) would otherwise fill in whatever a call leaves at transformers' defaults.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.end_ids, pad_token_id=pad_id)
         self.sleeps = free_cache_engine and device.type == "cuda"  # on CPU there is nothing to free
         self.parked = HostCopies()  # the weights' bytes while asleep
         self.beams = beams  # rollout.beam_search: each prompt's n responses are its n beams (rollout/beams.py)
         self.catalog = None
         if catalog_file:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            self.catalog = catalog_tree(read_catalog(catalog_file, "actor_rollout_ref.rollout.catalog_file"), tokenizer, self.end_ids)
+            self.catalog = catalog_tree(read_catalog(catalog_file, "actor_rollout_ref.rollout.catalog_file"), tokenizer,
+                                        item_end(tokenizer, self.end_ids))
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
