@@ -64,7 +64,7 @@ CONTROL_MODEL="$WORK/control/global_step_$CONTROL_STEPS/huggingface"
 echo "== Constrained 10-beam search on $TEST held-out users (targets: their preference)"
 mkdir -p "$WORK/eval"
 declare -A MODELS=([sft]="$SFT_MODEL" [rl]="$RL_MODEL" [control]="$CONTROL_MODEL")
-for pair in "sft rl" "control"; do  # two side by side, a thread each
+for pair in "sft rl" "control"; do  # two side by side, a thread each (three at once outgrow 24 GB: a search takes 7-12 GB)
     pids=()
     for name in $pair; do
         python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --beams 10 --catalog "$INDEX" --max-new-tokens 8 \
@@ -88,3 +88,4 @@ for name in sft rl control; do  # expected under the preference the held-out tar
     echo "== $name against the preference's ranking"
     python scripts/recommendation_oracle.py "$WORK/eval/$name.jsonl" --seed "$SEED" --preference "$WORK/data/preference.json"
 done
+echo "== the whole run: $SECONDS s"
