@@ -183,6 +183,8 @@ class Derived:
     corrects_rollouts: bool  # rollout correction in any form (weights, rejection, bypass): it reads the engine's log-probs
     sampling_log_probs: bool  # the step reads the engine's sampling log-probs (kept, compared or trained on)
     update_batching: MicroBatching  # the actor's update's forward passes
+    loss_mode: str  # the policy loss the update runs (bypass_mode under bypass)
+    policy_agg_mode: str  # its aggregation: the loss's own where it forces one, else actor.loss_agg_mode
 
 
 def derive(config: GRPOConfig) -> Derived:
@@ -192,9 +194,12 @@ def derive(config: GRPOConfig) -> Derived:
     correction = algorithm.rollout_correction
     bypass = correction.bypass_mode or actor.policy_loss.loss_mode == "bypass_mode"
     corrects = correction.rollout_is is not None or correction.rollout_rs is not None or bypass
+    loss_mode = "bypass_mode" if bypass else actor.policy_loss.loss_mode
+    forced = POLICY_LOSSES.info[loss_mode].agg_mode if loss_mode in POLICY_LOSSES else None  # not registered: check_names says so
     return Derived(estimator, ROLLOUT_ENGINES.info.get(rollout.name), needs_values if config.critic.enable is None else config.critic.enable,
                    bypass, corrects, rollout.calculate_log_probs or corrects,
-                   actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"))
+                   actor_batching(config, actor.ppo_micro_batch_size_per_gpu, f"{ACTOR}.ppo_micro_batch_size_per_gpu"), loss_mode,
+                   forced or actor.loss_agg_mode)
 
 
 def check_names(config: GRPOConfig, derived: Derived) -> list:
@@ -236,11 +241,9 @@ def check_groups(config: GRPOConfig, derived: Derived) -> None:
     if needs.needs_greedy_baseline and (algorithm.reward_norm or algorithm.reward_clip):
         raise ConfigError(f"algorithm.adv_estimator={estimator} subtracts the greedy response's score from the reward: "
                           "algorithm.reward_norm and reward_clip would put the two on different scales")
-    loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
-    agg_mode = POLICY_LOSSES.info[loss_mode].agg_mode if loss_mode in POLICY_LOSSES else None
-    if needs.sequence_weights and (agg_mode or config.actor_rollout_ref.actor.loss_agg_mode) == "seq-mean-token-mean":
+    if needs.sequence_weights and derived.policy_agg_mode == "seq-mean-token-mean":
         raise ConfigError(f"algorithm.adv_estimator={estimator} weighs each response's summed log-prob: a loss aggregated as "
-                          f"seq-mean-token-mean ({ACTOR}.loss_agg_mode, or loss_mode={loss_mode}'s own) divides it by the response's "
+                          f"seq-mean-token-mean ({ACTOR}.loss_agg_mode, or loss_mode={derived.loss_mode}'s own) divides it by the response's "
                           "length; use token-mean or seq-mean-token-sum")
     if needs.needs_sum_pi_squared and derived.bypass:
         raise ConfigError(f"algorithm.adv_estimator={estimator} needs each token's sum of squared probabilities from the old policy's "
@@ -522,13 +525,13 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     needs_reference = actor.use_kl_loss or use_kl_in_reward
     is_upper, is_lower = importance_bounds(correction.rollout_is_threshold)
     needs = derived.estimator
-    loss_mode = "bypass_mode" if bypass else policy_loss.loss_mode
+    loss_mode = derived.loss_mode
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
                                 actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
                                 actor.tau_pos, actor.tau_neg, policy_loss.clip_cov_ratio, policy_loss.clip_cov_lb, policy_loss.clip_cov_ub,
                                 policy_loss.kl_cov_ratio, policy_loss.ppo_kl_coef, policy_loss.dro_beta, policy_loss.policy_drift_coef,
                                 correction.loss_type, correction.rollout_is, is_upper, is_lower)
-    loss = LossSettings(loss_mode, actor.loss_agg_mode, POLICY_LOSSES.info[loss_mode].agg_mode or actor.loss_agg_mode, policy,
+    loss = LossSettings(loss_mode, actor.loss_agg_mode, derived.policy_agg_mode, policy,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.sft_loss_coef,
                         actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage)
     engine = EngineSpec(model.path, compute_dtype(actor.fsdp_config.mixed_precision.param_dtype, world.device), world.device, pad_id,
