@@ -21,7 +21,7 @@ from fsdptrain.models.loss import token_log_probs
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import item_ranking_verifier, item_rule_verifier, score_responses
 from fsdptrain.rl.rollout.base import Generation
-from fsdptrain.rl.rollout.hf import HFRollout
+from fsdptrain.rl.rollout.hf import HFRollout, beam_search
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import with_answers
 from fsdptrain.rl.validation import mean_and_se, ranking_values
@@ -70,12 +70,16 @@ def catalog_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_the_engines_beams_are_transformers_constrained_beam_search(tiny_llama, catalog_file):
+@pytest.mark.parametrize("n", [4, 8])
+def test_the_engines_beams_are_transformers_constrained_beam_search(tiny_llama, catalog_file, n):
+    """The engine's own search (each prompt forwarded once, not once per beam) against transformers' generate, with
+    4 beams; with as many beams as items (more than the items' first tokens: some beams have nowhere to go at first),
+    every item once, ordered by its log-prob from a plain forward, where transformers' search repeats items."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     engine = HFRollout(tiny_llama, torch.device("cpu"), torch.float32, tokenizer.pad_token_id, beams=True, catalog_file=catalog_file)
     prompts = [tokenizer(text)["input_ids"] for text in ("Recommend something sweet:", "Next item, please")]
-    generations = engine.generate(prompts, n=4, max_new_tokens=8, batch_size=8)
-    assert [g.prompt_ids for g in generations] == [p for p in prompts for _ in range(4)]
+    generations = engine.generate(prompts, n=n, max_new_tokens=8, batch_size=2 * n)
+    assert [g.prompt_ids for g in generations] == [p for p in prompts for _ in range(n)]
     # The reference: transformers' beam search, constrained by a tree written here from the items' token ids.
     end = tokenizer.eos_token_id
     sequences = [tokenizer(item, add_special_tokens=False)["input_ids"] + [end] for item in ITEMS]
@@ -88,14 +92,44 @@ def test_the_engines_beams_are_transformers_constrained_beam_search(tiny_llama, 
         return sorted(following) or [end]
 
     output = model.generate(torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
-                            attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]), num_beams=4,
-                            num_return_sequences=4, do_sample=False, length_penalty=0.0, early_stopping=True, max_new_tokens=8,
+                            attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]), num_beams=n,
+                            num_return_sequences=n, do_sample=False, length_penalty=0.0, early_stopping=True, max_new_tokens=8,
                             eos_token_id=end, pad_token_id=pad, prefix_allowed_tokens_fn=allowed)
     expected = [row[: row.index(end) + 1] for row in output[:, width:].tolist()]
-    for k in range(2):
-        mine = [g.response_ids for g in generations[4 * k : 4 * k + 4]]
-        assert mine == expected[4 * k : 4 * k + 4]
-        assert all(ids in sequences for ids in mine) and len({tuple(ids) for ids in mine}) == 4  # distinct catalog items
+    repeated = [len({tuple(ids) for ids in expected[n * k : n * k + n]}) < n for k in range(len(prompts))]
+    assert any(repeated) == (n == len(ITEMS))  # transformers' search repeats items where beams outnumber first tokens
+    for k, prompt in enumerate(prompts):
+        mine = [g.response_ids for g in generations[n * k : n * k + n]]
+        assert all(ids in sequences for ids in mine) and len({tuple(ids) for ids in mine}) == n  # distinct catalog items
+        if n < len(ITEMS):
+            assert mine == expected[n * k : n * k + n]
+            continue
+        with torch.no_grad():
+            scores = [model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).sum().item()
+                      for ids in sequences]
+        assert mine == [sequences[i] for i in sorted(range(len(sequences)), key=lambda i: -scores[i])]
+
+
+def test_unconstrained_beams_are_transformers_beam_search(tiny_llama):
+    """Without a catalog, over the whole vocabulary with two end tokens, beams ending at different lengths and the
+    rest cut at the length limit: the same beams, best first, as generate's."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    prompts = [tokenizer(text)["input_ids"] for text in ("Recommend something sweet:", "Next item, please", "a")]
+    with torch.no_grad():  # end tokens the model is likely to choose early, so that some beams end before the limit
+        likely = model(torch.tensor([prompts[0]])).logits[0, -1].topk(3).indices.tolist()
+    ends, pad, width = sorted(likely[1:]), tokenizer.pad_token_id, max(map(len, prompts))
+    mine = beam_search(model, prompts, 5, 6, ends, pad, None, batch_size=15)
+    output = model.generate(torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
+                            attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]), num_beams=5,
+                            num_return_sequences=5, do_sample=False, length_penalty=0.0, early_stopping=True, max_new_tokens=6,
+                            eos_token_id=ends, pad_token_id=pad)
+    expected = []
+    for row in output[:, width:].tolist():
+        end = next((i for i, token in enumerate(row) if token in ends), None)
+        expected.append((row if end is None else row[: end + 1], end is None))
+    assert [(g.response_ids, g.truncated) for g in mine] == expected
+    assert {g.truncated for g in mine} == {True, False}
 
 
 def test_the_folders_generation_config_takes_no_part_in_the_beams(tmp_path, tiny_llama, catalog_file):

@@ -23,7 +23,7 @@ from transformers import (
 from fsdptrain.distributed.offload import HostCopies, release_cached
 from fsdptrain.models.attention import GROUPED_ATTENTION
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EngineSpec, Generation
-from fsdptrain.rl.rollout.beams import beam_search, catalog_tree, item_end, read_catalog
+from fsdptrain.rl.rollout.beams import catalog_tree, item_end, read_catalog
 
 
 def end_token_ids(model: PreTrainedModel, fallback: int) -> list[int]:
@@ -123,6 +123,19 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
     return tokens, log_probs
 
 
+def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+    """The key/value cache of `prompts` left-padded to one width, each one's next-token logits, and the attention mask."""
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompts], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    # the last position as an index tensor, not logits_to_keep=1: its slice of the hidden states is not contiguous,
+    # and torch.matmul then copies the output layer's weight once per row of the batch
+    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                   logits_to_keep=torch.tensor([width - 1], device=model.device))
+    return output[cache_keyword(model)], output.logits[:, -1], attention_mask
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
@@ -136,19 +149,10 @@ def generate(
     warp = warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     generations = []
     for distinct, copies in group_batches(prompts, n, batch_size):
-        width = max(map(len, distinct))
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in distinct], device=model.device)
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in distinct], device=model.device)
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        # the last position as an index tensor, not logits_to_keep=1: its slice of the hidden states is not contiguous,
-        # and torch.matmul then copies the output layer's weight once per row of the batch
-        prefill = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                        logits_to_keep=torch.tensor([width - 1], device=model.device))
-        cache = prefill[cache_keyword(model)]
+        cache, logits, attention_mask = prefill(model, distinct, pad_id)
         cache.batch_repeat_interleave(copies)
-        tokens, log_probs = decode(model, cache, prefill.logits[:, -1].repeat_interleave(copies, 0),
-                                   attention_mask.repeat_interleave(copies, 0), max_new_tokens, end_ids, pad_id, warp, do_sample, tree,
-                                   temperature)
+        tokens, log_probs = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0),
+                                   max_new_tokens, end_ids, pad_id, warp, do_sample, tree, temperature)
         batch = [ids for ids in distinct for _ in range(copies)]
         for row, ids in enumerate(tokens.tolist()):
             end = next((i for i, token in enumerate(ids) if token in end_ids), None)
@@ -156,6 +160,95 @@ def generate(
             sampled = log_probs[row, :kept].tolist() if calculate_log_probs else None
             generations.append(Generation(batch[row], ids[:kept], [1] * kept, sampled, end is None))
     return generations
+
+
+@torch.no_grad()
+def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, end_ids: list[int], pad_id: int,
+                tree: dict[tuple[int, ...], list[int]] | None, batch_size: int) -> list[Generation]:
+    """Each prompt's `n` beams, best first, through the first end token: transformers' beam search (no sampling, no
+    length penalty, early stopping; a beam's score the sum of its tokens' log-probs under the full softmax) with a
+    catalog's prefix `tree` as its prefix constraint, in batches of batch_size // n prompts. Our own loop over
+    transformers' model and cache because generate forwards each prompt once per beam: at 10 beams and 80-token
+    prompts that is nine tenths of an evaluation's compute."""
+    generations = []
+    per_search = max(batch_size // n, 1)
+    for first in range(0, len(prompts), per_search):
+        batch = prompts[first : first + per_search]
+        cache, logits, attention_mask = prefill(model, batch, pad_id)
+        cache.batch_repeat_interleave(n)
+        tokens, finished = search_beams(model, cache, logits.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0), n,
+                                        max_new_tokens, end_ids, pad_id, tree)
+        for row, ids in enumerate(tokens.view(len(batch) * n, -1).tolist()):
+            end = next((i for i, token in enumerate(ids) if token in end_ids), None)
+            response = ids if end is None else ids[: end + 1]
+            generations.append(Generation(list(batch[row // n]), response, [1] * len(response), None, end is None or not finished.view(-1)[row]))
+    return generations
+
+
+def search_beams(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, n: int, max_new_tokens: int,
+                 end_ids: list[int], pad_id: int, tree: dict[tuple[int, ...], list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (prompts, n, max_new_tokens), finished (prompts, n)): the `n` finished beams of each prompt, best
+    first, from `n` copies of its next-token `logits` and cache. transformers' rule, step by step: the top
+    (1 + end tokens) x n continuations of all beams; those among the first n that end (an end token, or the length
+    limit) join the finished beams if they beat the worst there; the n best that do not end go on; a prompt is done
+    when its n finished beams all score above every running one, the search when every prompt is. One departure:
+    where fewer than n continuations are allowed, transformers fills the beams with copies scored -1e9 that end
+    as second copies of items; here an impossible beam scores -inf and is never finished, so no item comes twice
+    (a prompt with fewer than n items within reach gets fewer finished beams)."""
+    rows, vocab, device = logits.shape[0], logits.shape[-1], logits.device
+    prompts, keep, never = rows // n, max(2, 1 + len(end_ids)) * n, float("-inf")
+    ends = torch.tensor(end_ids, device=device)
+    running = torch.full((prompts, n, 0), pad_id, dtype=torch.long, device=device)
+    running_scores = torch.full((prompts, n), never, device=device)
+    running_scores[:, 0] = 0.0  # the n copies are one beam until they differ
+    done_tokens = torch.full((prompts, n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done_scores = torch.full((prompts, n), never, device=device)
+    done = torch.zeros((prompts, n), dtype=torch.bool, device=device)
+    improvable = torch.ones((prompts, 1), dtype=torch.bool, device=device)
+    positions = attention_mask.sum(-1)
+    keyword = cache_keyword(model)
+    for step in range(max_new_tokens):
+        log_probs = logits.float().log_softmax(-1)
+        if tree is not None:
+            allowed = torch.zeros_like(log_probs, dtype=torch.bool)
+            for row, prefix in enumerate(running.view(rows, step).tolist()):
+                allowed[row, tree.get(tuple(prefix), end_ids)] = True
+            log_probs = log_probs.masked_fill(~allowed, never)
+        totals = (log_probs.view(prompts, n, vocab) + running_scores[:, :, None]).view(prompts, n * vocab)
+        top_scores, top = totals.topk(keep, dim=1)
+        source, token = top // vocab, top % vocab
+        candidates = torch.cat([running.gather(1, source[:, :, None].expand(-1, -1, step)), token[:, :, None]], dim=2)
+        ending = torch.isin(token, ends) | (step == max_new_tokens - 1)
+        # the finished: the ending among the first n, while the prompt's finished are not all in and may improve
+        entering = ending & (torch.arange(keep, device=device) < n) & ~done.all(1, keepdim=True) & improvable & top_scores.isfinite()
+        merged_scores = torch.cat([done_scores, top_scores.masked_fill(~entering, never)], dim=1)
+        merged_tokens = torch.cat([done_tokens, pad_right(candidates, max_new_tokens, pad_id)], dim=1)
+        merged_done = torch.cat([done, entering], dim=1)
+        best = merged_scores.topk(n, dim=1).indices
+        done_scores, done = merged_scores.gather(1, best), merged_done.gather(1, best)
+        done_tokens = merged_tokens.gather(1, best[:, :, None].expand(-1, -1, max_new_tokens))
+        # the running: the n best that do not end (transformers keeps an ended one at -1e9 where fewer go on, to
+        # end again later as a second copy of its item)
+        going_scores = top_scores.masked_fill(ending, never)
+        going = going_scores.topk(n, dim=1).indices
+        running_scores = going_scores.gather(1, going)
+        running = candidates.gather(1, going[:, :, None].expand(-1, -1, step + 1))
+        worst_done = torch.where(done, done_scores.min(1, keepdim=True).values, never)
+        improvable = improvable & (running_scores[:, :1] > worst_done).any(1, keepdim=True)
+        if step == max_new_tokens - 1 or not improvable.any() or done.all() or ending.all():
+            break
+        beams = (source.gather(1, going) + torch.arange(prompts, device=device)[:, None] * n).view(rows)
+        cache.reorder_cache(beams)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
+        logits = model(input_ids=running[:, :, -1].reshape(rows, 1), attention_mask=attention_mask, position_ids=positions[:, None],
+                       use_cache=True, **{keyword: cache}).logits[:, -1]
+        positions = positions + 1
+    return done_tokens, done
+
+
+def pad_right(tokens: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    """`tokens` (..., length) padded on the right with `pad_id` to `width`."""
+    return torch.nn.functional.pad(tokens, (0, width - tokens.shape[-1]), value=pad_id)
 
 
 class HFRollout:
@@ -184,9 +277,7 @@ class HFRollout:
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
         if self.beams:
-            return [Generation(prompt, response, [1] * len(response), None, truncated)
-                    for prompt, response, truncated in beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog,
-                                                                           batch_size)]
+            return beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog, batch_size)
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
                         calculate_log_probs, self.catalog)
 
