@@ -1,6 +1,7 @@
 """Checkpoints: exact resume (same and other process counts), SIGKILL mid-save, rotation, HF export round trip, and
 bad input, all through the real CLI under torchrun (its restarts after a lost worker: test_ownership.py)."""
 
+import json
 import os
 import re
 import resource
@@ -203,3 +204,34 @@ def test_bad_resume_input_fails_before_training(tmp_path, tiny_llama, tiny_qwen2
     assert result.returncode != 0
     assert re.search(message, result.stderr), result.stderr[-3000:]
     assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+
+
+def test_the_best_model_is_the_least_validation_loss_and_early_stopping_stays_stopped(tmp_path, tiny_llama, chat_data):
+    """trainer.best_model: best/huggingface is the export of the step of least val/loss (its weights those of that
+    step's checkpoint), val/best_loss the running least; with a threshold no later validation clears, training
+    stops after `patience` validations, saves where it stopped, and a relaunch resumes into the stop, training none."""
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "best")
+    run_sft(2, tiny_llama, chat_data, out, trainer__total_training_steps=4, trainer__test_freq=1, trainer__save_freq=1, optim__lr=2e-2,
+            trainer__checkpoint__save_contents=SAVE_HF, trainer__best_model__save="true")
+    metrics = read_metrics(out)
+    val = [m["val/loss"] for m in metrics]
+    best_step = 1 + val.index(min(val))
+    assert [m["val/best_loss"] for m in metrics] == [min(val[: k + 1]) for k in range(4)]
+    with open(os.path.join(out, "best", "meta.json")) as f:
+        assert json.load(f) == {"global_step": best_step, "val/loss": min(val)}
+    assert sorted(n for n in os.listdir(out) if n.startswith(("best", ".best"))) == ["best", f"best_step_{best_step}"]
+    best = load_file(os.path.join(out, "best", "huggingface", "model.safetensors"))
+    saved = load_file(os.path.join(out, f"global_step_{best_step}", "huggingface", "model.safetensors"))
+    assert best.keys() == saved.keys() and all(torch.equal(best[k], saved[k]) for k in best)
+
+    out = str(tmp_path / "stopped")
+    stopping = dict(trainer__total_training_steps=6, trainer__test_freq=1, trainer__best_model__early_stopping_patience=2,
+                    trainer__best_model__early_stopping_threshold=100)
+    result = run_sft(1, tiny_llama, chat_data, out, **stopping)
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+    assert "early stop at step 3" in result.stderr + result.stdout
+    assert latest_checkpoint(out) == 3
+    run_sft(1, tiny_llama, chat_data, out, **stopping)
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]

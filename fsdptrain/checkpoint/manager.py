@@ -223,12 +223,36 @@ class CheckpointManager:
         self._run_on_main(publish)
         return final
 
-    def _export(self, tmp: str) -> None:
-        """The folders other tools load: huggingface/ (config and tokenizer; the merged weights with hf_model) and,
-        with lora_adapter, the adapters in peft's format."""
+    def save_best(self, step: int, metrics: dict[str, float]) -> str:
+        """The trained model's Hugging Face folder at `root`/best/huggingface (trainer.best_model.save), with
+        best/meta.json naming its step and `metrics`. `best` is a link to best_step_N/, swapped in one rename once
+        the new folder is whole: a crash mid-save leaves the previous best in place."""
+        name = f"best_step_{step}"
+        tmp, final = os.path.join(self.root, f".{name}.tmp"), os.path.join(self.root, name)
+        self._run_on_main(lambda: os.makedirs(tmp))
+        self._export(tmp, weights=True)
+
+        def publish() -> None:
+            write_atomic(os.path.join(tmp, "meta.json"), json.dumps({"global_step": step, **metrics}))
+            if os.path.exists(final):  # re-saving a step (a run resumed before it)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            link = os.path.join(self.root, ".best.tmp")
+            os.symlink(name, link)
+            os.replace(link, os.path.join(self.root, "best"))
+            for old in os.listdir(self.root):
+                if old.startswith("best_step_") and old != name:
+                    shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+
+        self._run_on_main(publish)
+        return final
+
+    def _export(self, tmp: str, weights: bool | None = None) -> None:
+        """The folders other tools load: huggingface/ (config and tokenizer; the merged weights with hf_model, or
+        where `weights` says) and, with lora_adapter, the adapters in peft's format."""
         hf_dtype = self.config.checkpoint.hf_dtype or self.model_dtype
         full_state = None
-        if "hf_model" in self.save_contents:
+        if "hf_model" in self.save_contents if weights is None else weights:
             # Rank 0 keeps each full parameter in host memory as it arrives; the others drop theirs at once.
             full_state = {}
             for name, tensor in merged_weights(self.model, DTYPES[hf_dtype]):

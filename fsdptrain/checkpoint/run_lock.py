@@ -50,9 +50,9 @@ def lock_run_directory(directory: str, key: str = "trainer.default_local_dir") -
 def remove_unfinished_saves(directory: str) -> None:
     """The temporary directories and files of saves that never completed (their run died mid-save)."""
     for name in os.listdir(directory):
-        if name.startswith(".global_step_") and name.endswith(".tmp"):
+        if name.startswith((".global_step_", ".best_step_")) and name.endswith(".tmp"):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        elif name == TRACKER + ".tmp":
+        elif name in (TRACKER + ".tmp", ".best.tmp"):
             os.remove(os.path.join(directory, name))
 
 

@@ -56,6 +56,17 @@ def validate_data(data: DataConfig) -> None:
     validate_data_files(data, ("max_length", "train_batch_size"))
 
 
+def validate_best_model(config: "SFTConfig") -> None:
+    best = config.trainer.best_model
+    positive("trainer.best_model.early_stopping_patience", best.early_stopping_patience, allow_none=True)
+    if best.early_stopping_threshold < 0:
+        raise ConfigError(f"trainer.best_model.early_stopping_threshold must be >= 0, got {best.early_stopping_threshold}")
+    if (best.save or best.early_stopping_patience) and not (config.data.val_files and config.trainer.test_freq > 0):
+        key = "save=true" if best.save else "early_stopping_patience"
+        raise ConfigError(f"trainer.best_model.{key} reads val/loss at each validation: it needs data.val_files and trainer.test_freq > 0 "
+                          f"(got val_files={config.data.val_files!r}, test_freq={config.trainer.test_freq})")
+
+
 @dataclass
 class SFTModelConfig(LanguageModelConfig):
     partial_pretrain: str
@@ -83,8 +94,18 @@ class SFTOptimConfig(OptimConfig):
 
 
 @dataclass
+class BestModelConfig:
+    """trainer.best_model: TRL's load_best_model_at_end and EarlyStoppingCallback, on val/loss."""
+
+    save: bool
+    early_stopping_patience: int | None
+    early_stopping_threshold: float
+
+
+@dataclass
 class SFTTrainerConfig(TrainerConfig):
     nccl_timeout: int
+    best_model: BestModelConfig
     auto_resumes_from_path: ClassVar[bool] = True  # verl's SFT trainers: resume_mode=auto with resume_from_path resumes from it
     last_step_when_off: ClassVar[bool] = True  # verl's SFT trainer validates and saves at the last step whatever test_freq/save_freq say
 
@@ -110,6 +131,7 @@ def own_checks(config: SFTConfig) -> list[Callable[[], None]]:
         lambda: validate_trainer(config.trainer),
         lambda: check_adapter_export(config.trainer.checkpoint, config.model, "model"),
         lambda: positive("trainer.nccl_timeout", config.trainer.nccl_timeout),
+        lambda: validate_best_model(config),
         lambda: validate_sequence_parallel(config.ulysses_sequence_parallel_size, config.use_remove_padding, "ulysses_sequence_parallel_size",
                                            "use_remove_padding"),
     ]

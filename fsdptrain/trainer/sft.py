@@ -19,7 +19,8 @@ from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.optim import clipped_step
-from fsdptrain.trainer.runtime import peak_memory_gb
+from fsdptrain.trainer.best_model import BestModel
+from fsdptrain.trainer.runtime import log, peak_memory_gb
 from fsdptrain.trainer.setup import StepTimer, claim_run_directory, count_steps, lost_ranks_named, open_run, start_run
 from fsdptrain.trainer.sft_plan import SFTPlan
 
@@ -100,12 +101,17 @@ def run_sft(plan: SFTPlan) -> None:
     parallel = start_run(trainer, plan.sp_size, trainer.nccl_timeout)
     claim_run_directory(trainer, parallel)
     steps_per_epoch = len(train) // data.train_batch_size
-    run = open_run(parallel, trainer, plan.model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, added=inputs.added)
+    best = BestModel(trainer.best_model)
+    watched = trainer.best_model.save or trainer.best_model.early_stopping_patience is not None
+    run = open_run(parallel, trainer, plan.model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, added=inputs.added,
+                   states={"best_model": best} if watched else None)
     model = run.model
     batches, batches_epoch = [], -1
     history = []  # this run's steps, for the plots
     with lost_ranks_named(run, trainer.nccl_timeout, "trainer.nccl_timeout"):
         for step in range(run.step + 1, total_steps + 1):
+            if best.stops:  # resumed from the checkpoint of an early stop
+                break
             epoch, index = divmod(step - 1, steps_per_epoch)
             if epoch != batches_epoch:
                 batches, batches_epoch = epoch_batches(len(train), data.train_batch_size, trainer.seed, epoch, data.shuffle), epoch
@@ -130,8 +136,21 @@ def run_sft(plan: SFTPlan) -> None:
             }
             if val and run.due(step, trainer.test_freq):
                 metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
+                if watched and best.observe(step, metrics["val/loss"]) and trainer.best_model.save:
+                    run.checkpoints.save_best(step, {"val/loss": best.loss})
+                if watched:
+                    metrics["val/best_loss"] = best.loss
             run.end_step(step, metrics)
             history.append({"step": step, **metrics})
-            if parallel.is_main and run.due(step, trainer.plot_freq, last_when_off=True):
+            last = step == total_steps or best.stops
+            if parallel.is_main and (run.due(step, trainer.plot_freq, last_when_off=True) or last):
                 run.logger.log_images(write_plots(history, None, os.path.join(trainer.default_local_dir, "plots")), step)
+            if best.stops:
+                if not run.due(step, trainer.save_freq):
+                    run.checkpoints.save(step)
+                if parallel.is_main:
+                    log.info(f"early stop at step {step}: val/loss has not fallen below {best.loss:.4f} (step {best.step}) by more than "
+                             f"{trainer.best_model.early_stopping_threshold} for {best.waited} validations "
+                             "(trainer.best_model.early_stopping_patience)")
+                break
     run.finish()
