@@ -78,20 +78,5 @@ for name in sft rl beam_pg grpo_beams control; do
     OMP_NUM_THREADS=$(nproc) python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --beams 10 --catalog "$INDEX" --max-new-tokens 8 \
         --batch-size 100 --dtype "$DTYPE" --out "$WORK/eval/$name.jsonl" > /dev/null
 done
-python - "$WORK/eval" <<'PY'
-import json, sys
-from fsdptrain.evaluate import report_ranking
-records = lambda name: [json.loads(line) for line in open(f"{sys.argv[1]}/{name}.jsonl")]
-print("SFT:", end="")
-report_ranking(records("sft"), [1, 5, 10], None)
-for name, title in [("rl", "RL (GRPO over samples)"), ("beam_pg", "beam_pg over beams"), ("grpo_beams", "GRPO over beams")]:
-    print(f"\n{title}, and its paired difference from the SFT:", end="")
-    report_ranking(records(name), [1, 5, 10], f"{sys.argv[1]}/sft.jsonl")
-print("\nRL, and its paired difference from the equal-time SFT control:", end="")
-report_ranking(records("rl"), [1, 5, 10], f"{sys.argv[1]}/control.jsonl")
-PY
-for name in sft rl beam_pg grpo_beams control; do  # expected under the preference the held-out targets are drawn from: no draw's noise
-    echo "== $name against the preference's ranking"
-    python scripts/recommendation_oracle.py "$WORK/eval/$name.jsonl" --seed "$SEED" --preference "$WORK/data/preference.json"
-done
+python scripts/recommendation_report.py "$WORK/eval" rl beam_pg grpo_beams --control control --seed "$SEED" --preference "$WORK/data/preference.json"
 echo "== the whole run: $SECONDS s"

@@ -3,6 +3,7 @@
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -88,6 +89,18 @@ def test_the_oracle_script_scores_the_bayes_ranking_as_bayes_and_its_reverse_low
     assert bayes["model"] == bayes["Bayes"] == reverse["Bayes"]
     assert reverse["model's items in Bayes order"][2:] == bayes["model"][2:]  # expected figures: equal-probability items may swap
     assert reverse["model"][2] == bayes["model"][2] and reverse["model"][3] < bayes["model"][3] - 0.05
+    # the task scripts' report: the Bayes rows as an RL model against the reversed ones as its SFT and its control
+    for name, source in (("sft", "reversed"), ("rl", "bayes"), ("control", "reversed")):
+        shutil.copy(tmp_path / f"{source}.jsonl", tmp_path / f"{name}.jsonl")
+    out = subprocess.run([sys.executable, "scripts/recommendation_report.py", str(tmp_path), "rl", "--control", "control", "--seed", "0"],
+                         cwd=REPO, check=True, capture_output=True, text=True).stdout
+    differences = {}
+    for section in out.split("\n\n")[1:3]:
+        title, table = section.split(":", 1)
+        differences[title] = {line.split()[0]: float(line.split()[3]) for line in table.strip().splitlines()[1:]}
+    for title in ("rl, and its paired difference from sft", "rl, and its paired difference from the equal-time SFT control (control)"):
+        assert differences[title]["hr@10"] == 0 and differences[title]["ndcg@10"] == pytest.approx(bayes["model"][1] - reverse["model"][1], abs=1e-4)
+    assert out.count("== ") == 3 and "sft against the generator's clicks" in out
 
 
 def test_the_preference_task_keeps_the_clicks_and_sizes_the_headroom(tmp_path):
