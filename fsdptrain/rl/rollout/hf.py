@@ -1,7 +1,7 @@
 """Rollouts on every rank from a plain (unsharded) transformers copy of the policy that the trainer refreshes after
-each update: transformers' model, cache and sampling processors, driven by a decoding loop of our own (prompts
-prefilled once for their n responses, one uniform a sampled token, ended responses no longer forwarded; with a
-catalog, every response one of its items). Runs wherever transformers runs."""
+each update: transformers' model, cache and sampling processors, driven by decoding loops of our own (prompts
+prefilled once for their n responses or beams, one uniform a sampled token, ended responses no longer forwarded;
+with a catalog, every response one of its items). Runs wherever transformers runs."""
 
 import inspect
 from collections.abc import Iterable, Iterator, Sequence
