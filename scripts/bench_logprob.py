@@ -5,7 +5,7 @@
 - fsdptrain's chunked per-token log-probs (RL: the backward takes a gradient per token and recomputes each
   chunk's logits, four matmuls), here summed into the same loss.
 
-    python scripts/bench_logprob.py [--tokens 4096] [--hidden 896] [--chunk 1024] [--json out.json]
+    python scripts/bench_logprob.py [--tokens 4096] [--hidden 896] [--chunk 1024] [--vocabs smollm2-49k qwen2-151k] [--json out.json]
 
 Each measurement runs in a fresh process: on CPU the peak is the growth of the peak resident set size over
 the inputs already allocated; on CUDA, torch.cuda.max_memory_allocated over the same baseline, measured (and
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (the model.chunked_loss_tokens default)")
+    parser.add_argument("--vocabs", nargs="+", choices=list(VOCABS), default=list(VOCABS))
     parser.add_argument("--json")
     parser.add_argument("--measure", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -77,7 +78,8 @@ def main() -> None:
         return
 
     rows = []
-    for name, vocab in VOCABS.items():
+    for name in args.vocabs:
+        vocab = VOCABS[name]
         for method in METHODS:
             chunk = 0 if method == "full" else args.chunk
             cmd = [sys.executable, __file__, "--measure", str(args.tokens), str(args.hidden), str(vocab), str(chunk), method]
