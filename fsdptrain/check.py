@@ -36,9 +36,10 @@ def micro_batches(batching) -> str:
     return f"{batching.size} sequences a forward pass ({batching.size_key})"
 
 
-def processes(world: World, sp: int) -> str:
+def processes(world: World, sp: int, training: int | None = None) -> str:
+    """The processes, and the data x sequence parallel layout of the `training` ones (default: all)."""
     return (f"processes: {world.world_size} ({world.world_size // world.host_processes} node(s) x {world.host_processes}), data-parallel "
-            f"{world.world_size // sp} x sequence-parallel {sp}, on {world.device.type}")
+            f"{(training or world.world_size) // sp} x sequence-parallel {sp}, on {world.device.type}")
 
 
 def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[str]:
@@ -48,10 +49,19 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
     inputs = read_grpo_inputs(*resolve_grpo(read_grpo_config(composed("grpo_trainer", overrides), problems, world), world))
     plan, data = inputs.plan, inputs.plan.data
     n = plan.request.n
-    dp = world.world_size // plan.sp_size
+    trainers = world.world_size - (plan.separate.ranks if plan.separate else 0)
+    dp = trainers // plan.sp_size
     per_rank = data.train_batch_size // dp
+    placement = []
+    if plan.separate is not None:
+        servers = plan.separate.ranks
+        lag = "unbounded" if plan.separate.max_lag is None else f"at most {plan.separate.max_lag} version(s)"
+        placement = [f"placement (separate_async): ranks 0-{trainers - 1} train, ranks {trainers}-{trainers + servers - 1} generate "
+                     f"({trainers // servers} training rank(s) each); {plan.separate.lead} batch(es) asked for ahead, a trained group's lag "
+                     f"{lag}"]
     return [
-        processes(world, plan.sp_size),
+        processes(world, plan.sp_size, trainers),
+        *placement,
         f"training prompts: {len(inputs.train)} (validation: {len(inputs.val)}); steps: {inputs.total_steps}",
         f"a step: {data.train_batch_size} prompts x {n} responses = {data.train_batch_size * n} sequences, "
         f"{per_rank} prompts a data-parallel rank; {per_rank * n // plan.update.mini_batch_sequences} optimizer "

@@ -33,7 +33,7 @@ from fsdptrain.rl.data import load_prompts
 from fsdptrain.rl.rewards import VERIFIERS, load_reward_function, score_responses
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES, build_rollout
 from fsdptrain.rl.rollout.base import EnginePlacement, EngineSpec, RolloutEngine, engine_settings
-from fsdptrain.rl.sampling import RolloutRequest
+from fsdptrain.rl.sampling import RolloutRequest, local_answers
 from fsdptrain.rl.validation import RANKING_KS, evaluate, mean_and_se, ranking_values, summarize
 
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     request = RolloutRequest(args.beams or args.n, args.max_new_tokens, args.batch_size, args.temperature or 1.0, top_p=1.0, top_k=-1,
                              do_sample=args.temperature > 0, calculate_log_probs=False)
     score = lambda responses, prompts, ids: score_responses(reward_fn, tokenizer, prompts, responses, ids, "")  # noqa: E731
-    records = evaluate(engine, loops, prompts, score, request)
+    records = evaluate(local_answers(engine, loops), prompts, score, request)
     report(records, args.out, args.summary)
     if args.beams is not None:
         report_ranking(records, [k for k in RANKING_KS if k <= args.beams], args.paired_with)

@@ -5,15 +5,17 @@
 # target, as MiniOneRec's SFT rows are); every model is evaluated by constrained 10-beam search on held-out users
 # (HR@K, NDCG@K, paired differences, and expected under the generator: scripts/recommendation_report.py), and each
 # story's control is its SFT continued on its SFT data for the wall time of its RL.
-#  - minionerec (this script): MiniOneRec's own story. The SFT is fitted to its validation optimum (the export of
-#    least validation loss, stopping when it no longer falls: trainer.best_model), then trained by GRPO over 8
-#    beams constrained to the catalog with MiniOneRec's ranking reward, the SFT model as the KL's reference.
+#  - minionerec (this script): MiniOneRec's own story. The SFT is fitted to its validation optimum in two stages,
+#    each keeping the export of least validation loss and stopping when it no longer falls (trainer.best_model):
+#    SFT_STEPS at SFT_LR, then FIT_STEPS more from the first stage's best at a quarter of the rate; then trained by
+#    GRPO over 8 beams constrained to the catalog with MiniOneRec's ranking reward, the SFT model as the KL's reference.
 #  - preference (scripts/preference_task.sh): what users click is not what satisfies them; RL with their
 #    satisfaction as the reward (GRPO on constrained samples, beam_pg and GRPO over beams).
 #   bash scripts/recommend_task.sh                       # both stories
 #   STORIES=minionerec bash scripts/recommend_task.sh    # one
-# Sizes are environment variables: WORK (runs/recommend), SEED (the data's draw, 0), SFT_STEPS (at most 300 of 64
-# rows, 1.4 epochs), SFT_LR (6e-4, cosine to a tenth), TEST_FREQ (validation every 25 steps), PATIENCE (3 validations),
+# Sizes are environment variables: WORK (runs/recommend), SEED (the data's draw, 0), SFT_STEPS (at most 450 of 64
+# rows, 2.1 epochs), SFT_LR (6e-4, cosine to a tenth), FIT_STEPS (300 more at SFT_LR / 4, cosine to a tenth),
+# TEST_FREQ (validation every 25 steps), PATIENCE (3 validations; the second stage 4),
 # GRPO_STEPS (60 of 4 prompts x 8 beams), GRPO_LR (1e-5), KL (1e-3), TEST (500 users), NPROC (2), DTYPE (as the
 # quickstart's: bf16 where the machine computes it natively, else fp32).
 set -euo pipefail
@@ -21,7 +23,8 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bash scripts/setup.sh smollm2
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}
-WORK=${WORK:-runs/recommend} SEED=${SEED:-0} STORIES=${STORIES:-minionerec preference} SFT_STEPS=${SFT_STEPS:-300} SFT_LR=${SFT_LR:-6e-4}
+WORK=${WORK:-runs/recommend} SEED=${SEED:-0} STORIES=${STORIES:-minionerec preference} SFT_STEPS=${SFT_STEPS:-450} SFT_LR=${SFT_LR:-6e-4}
+FIT_STEPS=${FIT_STEPS:-300}
 TEST_FREQ=${TEST_FREQ:-25} PATIENCE=${PATIENCE:-3} GRPO_STEPS=${GRPO_STEPS:-60} GRPO_LR=${GRPO_LR:-1e-5} KL=${KL:-1e-3} TEST=${TEST:-500}
 NPROC=${NPROC:-2}
 export DTYPE SEED TEST NPROC
@@ -31,7 +34,7 @@ if [[ " $STORIES " == *" minionerec "* ]]; then
     STORY="$WORK/minionerec"
     python scripts/make_recommendation_data.py "$STORY/data" --test "$TEST" --seed "$SEED" --windows
     INDEX="$STORY/data/items.index.json"
-    rm -rf "$STORY/sft" "$STORY/grpo" "$STORY/control" "$STORY/eval"
+    rm -rf "$STORY/sft" "$STORY/fit" "$STORY/grpo" "$STORY/control" "$STORY/eval"
 
     sft() {  # OUT MODEL STEPS LR SCHEDULER [KEY=VALUE ...]
         local out=$1 model=$2 steps=$3 lr=$4 scheduler=$5
@@ -48,9 +51,14 @@ if [[ " $STORIES " == *" minionerec "* ]]; then
     sft "$STORY/sft" "$WORK/smollm2" "$SFT_STEPS" "$SFT_LR" cosine optim.min_lr_ratio=0.1 optim.lr_warmup_steps_ratio=0.03 \
         model.added_tokens_file="$INDEX" model.added_tokens_init=pieces data.val_files="$STORY/data/sft_val.parquet" \
         trainer.test_freq="$TEST_FREQ" trainer.best_model.save=true trainer.best_model.early_stopping_patience="$PATIENCE"
+    echo "SFT, first stage: the best: $(cat "$STORY/sft/best/meta.json")"
+    echo "== minionerec: SFT, second stage: at most $FIT_STEPS steps more from the first stage's best at a quarter of the rate"
+    sft "$STORY/fit" "$STORY/sft/best/huggingface" "$FIT_STEPS" "$(python -c "print($SFT_LR / 4)")" cosine optim.min_lr_ratio=0.1 \
+        optim.lr_warmup_steps_ratio=0.03 data.val_files="$STORY/data/sft_val.parquet" trainer.test_freq="$TEST_FREQ" trainer.best_model.save=true \
+        trainer.best_model.early_stopping_patience=$(( PATIENCE + 1 ))
     SFT_SECONDS=$(( $(date +%s) - start ))
-    echo "SFT: $SFT_SECONDS s; the best: $(cat "$STORY/sft/best/meta.json")"
-    SFT_MODEL="$STORY/sft/best/huggingface"
+    echo "SFT: $SFT_SECONDS s; the best: $(cat "$STORY/fit/best/meta.json")"
+    SFT_MODEL="$STORY/fit/best/huggingface"
 
     echo "== minionerec: GRPO from the SFT model, $GRPO_STEPS steps of 4 users x 8 constrained beams, MiniOneRec's ranking reward"
     start=$(date +%s)
@@ -65,7 +73,7 @@ if [[ " $STORIES " == *" minionerec "* ]]; then
         trainer.total_training_steps="$GRPO_STEPS" trainer.save_freq="$GRPO_STEPS" trainer.resume_mode=disable \
         trainer.logger='["file"]' trainer.default_local_dir="$STORY/grpo" trainer.checkpoint.save_contents='[hf_model]'
     GRPO_SECONDS=$(( $(date +%s) - start ))
-    SFT_DONE=$(wc -l < "$STORY/sft/metrics.jsonl")  # the steps it trained before it stopped
+    SFT_DONE=$(( $(wc -l < "$STORY/sft/metrics.jsonl") + $(wc -l < "$STORY/fit/metrics.jsonl") ))  # the steps both stages trained
     CONTROL_STEPS=$(( SFT_DONE * GRPO_SECONDS / SFT_SECONDS ))  # at the SFT's pace, its validations included
     echo "== minionerec: control, the SFT continued on its windows for the GRPO's wall time ($GRPO_SECONDS s): $CONTROL_STEPS steps"
     sft "$STORY/control" "$SFT_MODEL" "$CONTROL_STEPS" "$(python -c "print($SFT_LR / 10)")" constant

@@ -156,7 +156,7 @@ class CheckpointManager:
     def _agree(self, error: BaseException | None) -> None:
         """Raise on every rank if any rank failed, so no rank waits forever on the others."""
         failed = torch.tensor([error is not None], dtype=torch.int32, device=self.parallel.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.parallel.group)
         if error is not None:
             raise CheckpointError(
                 f"checkpoint save under {self.root} failed (is the disk full or not writable?); "
@@ -189,10 +189,11 @@ class CheckpointManager:
         self._run_on_main(prepare)
         for prefix, (model, optimizer) in self.sharded.items():
             if "model" in self.save_contents:
-                self._run_everywhere(partial(dcp.save, saved_state(model, optimizer), checkpoint_id=os.path.join(tmp, prefix, "model")))
+                self._run_everywhere(partial(dcp.save, saved_state(model, optimizer), checkpoint_id=os.path.join(tmp, prefix, "model"),
+                                             process_group=self.parallel.group))
             if "optimizer" in self.save_contents and optimizer is not None:
                 state = get_optimizer_state_dict(model, optimizer)
-                self._run_everywhere(partial(dcp.save, state, checkpoint_id=os.path.join(tmp, prefix, "optimizer")))
+                self._run_everywhere(partial(dcp.save, state, checkpoint_id=os.path.join(tmp, prefix, "optimizer"), process_group=self.parallel.group))
         if "extra" in self.save_contents:
             self._run_everywhere(lambda: torch.save(_rng_state(), os.path.join(tmp, "extra", f"rng_rank{self.parallel.rank}.pt")))
             extra = {
@@ -335,11 +336,11 @@ class CheckpointManager:
         for prefix, (model, optimizer) in self.sharded.items():
             if "model" in self.load_contents:
                 state = saved_state(model, optimizer)
-                dcp.load(state, checkpoint_id=os.path.join(path, prefix, "model"))
+                dcp.load(state, checkpoint_id=os.path.join(path, prefix, "model"), process_group=self.parallel.group)
                 set_model_state_dict(model, state, options=StateDictOptions(strict=False))
             if "optimizer" in self.load_contents and optimizer is not None:
                 state = get_optimizer_state_dict(model, optimizer)
-                dcp.load(state, checkpoint_id=os.path.join(path, prefix, "optimizer"))
+                dcp.load(state, checkpoint_id=os.path.join(path, prefix, "optimizer"), process_group=self.parallel.group)
                 set_optimizer_state_dict(model, optimizer, state)
         if "extra" not in self.load_contents:
             return 0

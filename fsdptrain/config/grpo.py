@@ -207,6 +207,8 @@ class RolloutConfig:
     beam_search: bool  # MiniOneRec's: each prompt's n responses are its n beams, best first (the hf engine)
     catalog_file: str | None  # responses constrained to its items (a MiniOneRec index, or one item a line)
     add_gt: bool  # MiniOneRec's: a group without its prompt's ground truth holds it in place of its last member
+    nnodes: int  # separate_async's standalone rollout ranks: nnodes x n_gpus_per_node
+    n_gpus_per_node: int | None  # None: as many as the training ranks
 
 
 def validate_rollout(rollout: RolloutConfig, sp_size: int) -> None:
@@ -562,16 +564,61 @@ def validate_reward_model(reward_model: RewardModelConfig, max_response_length: 
 
 
 @dataclass
+class SeparateAsyncConfig:
+    num_warmup_batches: int
+    parameter_sync_step: int
+
+
+@dataclass
+class ColocateAsyncConfig:
+    num_warmup_batches: int
+
+
+@dataclass
+class SamplerConfig:
+    max_off_policy_threshold: int | None
+    max_off_policy_strategy: str
+
+
+@dataclass
+class V1Config:
+    """verl 0.9's v1 trainer: its mode and the asynchronous modes' settings."""
+
+    trainer_mode: str
+    separate_async: SeparateAsyncConfig
+    colocate_async: ColocateAsyncConfig
+    sampler: SamplerConfig
+
+
+@dataclass
 class GRPOTrainerConfig(TrainerConfig):
     val_before_train: bool
     rollout_data_dir: str | None
     critic_warmup: int
+    use_v1: bool
+    v1: V1Config
+
+    @property
+    def mode(self) -> str:
+        """The v1 trainer's mode; verl's older trainer (use_v1=false) is the sync one."""
+        return self.v1.trainer_mode if self.use_v1 else "sync"
 
 
 def validate_grpo_trainer(trainer: GRPOTrainerConfig) -> None:
     validate_trainer(trainer)
     if trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
+    v1 = trainer.v1
+    if v1.trainer_mode == "colocate_async":
+        raise ConfigError("trainer.v1.trainer_mode=colocate_async (generation paused and resumed around each update on the training "
+                          "ranks) is not built yet: use separate_async (standalone rollout ranks) or sync")
+    one_of("trainer.v1.trainer_mode", v1.trainer_mode, ("sync", "separate_async"))
+    one_of("trainer.v1.sampler.max_off_policy_strategy", v1.sampler.max_off_policy_strategy, ("drop", "wait"))
+    if v1.sampler.max_off_policy_threshold is not None and v1.sampler.max_off_policy_threshold < 0:
+        raise ConfigError(f"trainer.v1.sampler.max_off_policy_threshold must be >= 0 or null, got {v1.sampler.max_off_policy_threshold}")
+    positive("trainer.v1.separate_async.parameter_sync_step", v1.separate_async.parameter_sync_step)
+    if v1.separate_async.num_warmup_batches < 0:
+        raise ConfigError(f"trainer.v1.separate_async.num_warmup_batches must be >= 0, got {v1.separate_async.num_warmup_batches}")
 
 
 @dataclass

@@ -267,16 +267,37 @@ def translate(overrides: list[str], trainer: str, world_size: int) -> tuple[list
         if target not in given:  # an explicit value wins
             kept.append(implication)
             note(f"{because} is verl's new layout's: {implication}")
+    rollout = rollout_shape(kept)
+    if rollout.get("nnodes") and "n_gpus_per_node" not in rollout and "n_gpus_per_node" in shape:  # verl's default: the trainer's
+        kept.append(f"{ROLLOUT_SHAPE}.n_gpus_per_node={shape['n_gpus_per_node']}")
+        rollout["n_gpus_per_node"] = shape["n_gpus_per_node"]
+    rollout_ranks = rollout.get("nnodes", 0) * rollout.get("n_gpus_per_node", 0) if all(isinstance(v, int) for v in rollout.values()) else 0
     if "nnodes" in shape or "n_gpus_per_node" in shape:
-        nodes, per_node = shape.get("nnodes", 1), shape.get("n_gpus_per_node", world_size)
-        if not (isinstance(nodes, int) and isinstance(per_node, int)) or nodes * per_node != world_size:
+        training = world_size - rollout_ranks
+        nodes, per_node = shape.get("nnodes", 1), shape.get("n_gpus_per_node", training)
+        if not (isinstance(nodes, int) and isinstance(per_node, int)) or nodes * per_node != training:
+            launch = f"--nnodes={nodes} --nproc_per_node={per_node}" if not rollout_ranks else f"{nodes * per_node} + {rollout_ranks} processes"
+            rollout_part = f" less the {rollout_ranks} rollout ranks ({ROLLOUT_SHAPE}.nnodes x n_gpus_per_node)" if rollout_ranks else ""
             problems.append(f"trainer.nnodes ({nodes}) x trainer.n_gpus_per_node ({per_node}) must equal the number of processes "
-                            f"torchrun started ({world_size}): launch with --nnodes={nodes} --nproc_per_node={per_node}, or fix the keys")
+                            f"torchrun started ({world_size}){rollout_part}: launch with {launch}, or fix the keys")
     if engines:  # told alone, before any config is read: the rest of the command line follows from the engine
         if problems:
             engines.append(f"({len(problems)} other problem(s) of this command line left out: they follow from the engine it asks for)")
         raise_problems(engines)
     return kept, problems
+
+
+ROLLOUT_SHAPE = "actor_rollout_ref.rollout"
+
+
+def rollout_shape(overrides: list[str]) -> dict[str, Any]:
+    """The standalone rollout ranks' nnodes and n_gpus_per_node as `overrides` set them (separate_async)."""
+    shape = {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+") in (f"{ROLLOUT_SHAPE}.nnodes", f"{ROLLOUT_SHAPE}.n_gpus_per_node"):
+            shape[key.rsplit(".", 1)[1]] = hydra_value(value)
+    return shape
 
 
 def translate_argv(argv: list[str], trainer: str) -> tuple[list[str], list[str]]:

@@ -80,13 +80,13 @@ def plan_micro_batches(samples: Sequence[Sample], batching: MicroBatching, paral
     local: list[list[Sample]] = []
     if batching.dynamic:  # every rank joins the agreement on the part count, one without samples too
         parts = torch.tensor(min_token_micro_batches([len(s) for s in samples], batching.max_tokens) if samples else 0)
-        dist.all_reduce(parts, op=dist.ReduceOp.MAX)
+        dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=parallel.group)
         if samples:
             local = split_by_tokens(samples, min(int(parts), len(samples)))
     elif samples:
         local = split_by_count(samples, batching.size)
     count = torch.tensor(len(local))
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel.group)
     return local + [None] * (int(count) - len(local))
 
 

@@ -49,8 +49,9 @@ def fault_point(point: str, step: int) -> None:
     point of a step: FSDPTRAIN_KILL_AT=POINT@STEP[:RANK] SIGKILLs rank RANK (default the last) when it reaches
     `point` at `step`, in torchrun's first attempt only, so that the restarted workers pass; a comma-separated list
     kills once in each attempt, its k-th entry in attempt k. The points: each timed phase of a step as it starts
-    (trainer/setup.py's StepTimer: gen, update_actor, update_weights, ...; SFT's update) and `save` (a checkpoint's
-    shards written, not yet published)."""
+    (trainer/setup.py's StepTimer: gen, update_actor, update_weights, ...; SFT's update), `save` (a checkpoint's
+    shards written, not yet published) and `rollout` (a standalone rollout rank about to generate the batch of
+    step STEP, rl/rollout/remote.py)."""
     specs = os.environ.get("FSDPTRAIN_KILL_AT", "").split(",")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt >= len(specs) or not specs[attempt]:

@@ -1,5 +1,6 @@
 """Process group, device and the (dp, sp) device mesh."""
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -13,17 +14,22 @@ from fsdptrain.errors import ConfigError
 
 @dataclass
 class Parallel:
-    """Where this process sits: FSDP shards over all ranks; ranks of one SP group share their samples."""
+    """Where this process sits: FSDP shards over all training ranks; ranks of one SP group share their samples.
+    A run with standalone rollout ranks (trainer.v1.trainer_mode=separate_async) trains on the first `world_size`
+    ranks of torchrun's world and generates on the others, which hold no part of the meshes (their dp and sp
+    ranks are -1)."""
 
     device: torch.device
-    mesh: DeviceMesh  # 2-D, dims ("dp", "sp")
-    fsdp_mesh: DeviceMesh  # 1-D over every rank: parameters shard over dp and sp alike
+    mesh: DeviceMesh  # 2-D, dims ("dp", "sp"), over the training ranks
+    fsdp_mesh: DeviceMesh  # 1-D over every training rank: parameters shard over dp and sp alike
     rank: int
-    world_size: int
+    world_size: int  # the training ranks: 0 .. world_size - 1
     dp_rank: int
     dp_size: int
     sp_rank: int
     sp_size: int
+    group: dist.ProcessGroup | None = None  # the training ranks' collectives; None: torchrun's whole world trains
+    rollout_ranks: int = 0  # torchrun's last ranks, which only generate
     hybrid_meshes: dict[int, DeviceMesh] = field(default_factory=dict)  # by shard group size, built once each
 
     def sharding_mesh(self, fsdp_size: int) -> DeviceMesh:
@@ -33,13 +39,18 @@ class Parallel:
         if fsdp_size in (-1, self.world_size):
             return self.fsdp_mesh
         if fsdp_size not in self.hybrid_meshes:
-            self.hybrid_meshes[fsdp_size] = init_device_mesh(self.device.type, (self.world_size // fsdp_size, fsdp_size),
-                                                             mesh_dim_names=("replicate", "shard"))
+            self.hybrid_meshes[fsdp_size] = training_mesh(self.device, (self.world_size // fsdp_size, fsdp_size), ("replicate", "shard"),
+                                                          self.rollout_ranks)
         return self.hybrid_meshes[fsdp_size]
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def generates_only(self) -> bool:
+        """A standalone rollout rank: it serves generations to the training ranks (rl/rollout/remote.py)."""
+        return self.rank >= self.world_size
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -91,29 +102,42 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_parallel(device_preference: str, sp_size: int, timeout_s: float = 1800) -> Parallel:
+def training_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], rollout_ranks: int) -> DeviceMesh:
+    """A mesh of `shape` over the training ranks: torchrun's whole world, or all but its last `rollout_ranks`
+    (every rank builds it, as a process group's creation asks)."""
+    if not rollout_ranks:
+        return init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return DeviceMesh(device.type, torch.arange(math.prod(shape)).view(shape), mesh_dim_names=names)
+
+
+def init_parallel(device_preference: str, sp_size: int, timeout_s: float = 1800, rollout_ranks: int = 0) -> Parallel:
     """Join (or, run without torchrun, create) the process group, whose collectives wait `timeout_s` for every
-    rank, and build the (dp, sp) mesh."""
+    rank, and build the (dp, sp) mesh over the training ranks: all but torchrun's last `rollout_ranks`."""
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     device = resolve_device(device_preference)
-    world_size = int(os.environ["WORLD_SIZE"])
+    world_size = int(os.environ["WORLD_SIZE"]) - rollout_ranks
     check_sp_divides_world(sp_size, world_size)
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    mesh = init_device_mesh(device.type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    mesh = training_mesh(device, (world_size // sp_size, sp_size), ("dp", "sp"), rollout_ranks)
+    fsdp_mesh = training_mesh(device, (world_size,), ("fsdp",), rollout_ranks)
+    rank = dist.get_rank()
+    trains = rank < world_size
     return Parallel(
         device=device,
         mesh=mesh,
-        fsdp_mesh=init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",)),
-        rank=dist.get_rank(),
+        fsdp_mesh=fsdp_mesh,
+        rank=rank,
         world_size=world_size,
-        dp_rank=mesh.get_local_rank("dp"),
+        dp_rank=mesh.get_local_rank("dp") if trains else -1,
         dp_size=world_size // sp_size,
-        sp_rank=mesh.get_local_rank("sp"),
+        sp_rank=mesh.get_local_rank("sp") if trains else -1,
         sp_size=sp_size,
+        group=fsdp_mesh.get_group() if rollout_ranks and trains else None,
+        rollout_ranks=rollout_ranks,
     )

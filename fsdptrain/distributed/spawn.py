@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from fsdptrain.config.verl_keys import rollout_shape
 from fsdptrain.distributed.launcher import under_torchrun
 
 SHAPE_KEYS = ("trainer.nnodes", "trainer.n_gpus_per_node")
@@ -46,7 +47,10 @@ def launch_workers_if_asked(module: str, argv: list[str]) -> int | None:
         print(f"fsdptrain: trainer.nnodes={nodes}: several nodes are launched by torchrun on each, with "
               f"--nnodes={nodes} --nproc_per_node={per_node} (docs/multinode.md)", file=sys.stderr)
         return 1
-    return launch_workers(module, argv, per_node)
+    rollout = rollout_shape(argv)  # separate_async's standalone rollout ranks come after the training ones
+    rollout_nodes, rollout_per_node = rollout.get("nnodes", 0), rollout.get("n_gpus_per_node", per_node)
+    rollout_ranks = rollout_nodes * rollout_per_node if isinstance(rollout_nodes, int) and isinstance(rollout_per_node, int) else 0
+    return launch_workers(module, argv, per_node + rollout_ranks)
 
 
 def launch_workers(module: str, argv: list[str], processes: int) -> int:

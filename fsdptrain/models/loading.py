@@ -193,15 +193,32 @@ def build_model(
     model.to_empty(device="cpu" if fsdp.cpu_offload else parallel.device)
 
     pretrained = load_pretrained(path, config, hf_config, dtype, auto_class, lora, seed, added) if parallel.is_main else None
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=fsdp.cpu_offload)
-    set_model_state_dict(model, pretrained.state_dict() if pretrained is not None else {}, options=options)
+    if parallel.rollout_ranks:  # torch's broadcast_from_rank0 would wait for the rollout ranks too: the training ranks' own
+        options = StateDictOptions(full_state_dict=True, cpu_offload=fsdp.cpu_offload)
+        set_model_state_dict(model, full_state_on_training_ranks(model, pretrained, parallel), options=options)
+    else:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=fsdp.cpu_offload)
+        set_model_state_dict(model, pretrained.state_dict() if pretrained is not None else {}, options=options)
     reference_buffers = dict(pretrained.named_buffers()) if pretrained is not None else {}
     for name, buffer in model.named_buffers():
         if parallel.is_main:
             buffer.copy_(reference_buffers[name])
-        dist.broadcast(buffer, src=0)
+        dist.broadcast(buffer, src=0, group=parallel.group)
     if fsdp.cpu_offload:  # parameters live on CPU, but the forward needs its buffers on the device
         for module in model.modules():
             for name, buffer in list(module.named_buffers(recurse=False)):
                 setattr(module, name, buffer.to(parallel.device))
     return model
+
+
+def full_state_on_training_ranks(model: nn.Module, pretrained: nn.Module | None, parallel: Parallel) -> dict[str, torch.Tensor]:
+    """Rank 0's `pretrained` weights on every training rank, sent over their own group, each into a tensor of the
+    sharded `model`'s full shape."""
+    mine = pretrained.state_dict() if pretrained is not None else {}
+    full = {}
+    for name, sharded in model.state_dict().items():
+        tensor = mine[name] if parallel.is_main else torch.empty(sharded.shape, dtype=sharded.dtype)
+        tensor = tensor.to(parallel.device)
+        dist.broadcast(tensor, src=0, group=parallel.group)
+        full[name] = tensor
+    return full

@@ -259,7 +259,7 @@ def run_update(samples: list[Sample], settings: UpdateSettings, model: nn.Module
             norms.append(norm)
             applied_all &= applied
     scheduler.step()
-    totals = dict(zip(totals, all_reduce_sum(list(totals.values()), parallel.device)))  # per-token sums over sequence slices
+    totals = dict(zip(totals, all_reduce_sum(list(totals.values()), parallel.device, parallel.group)))  # per-token sums over sequence slices
     tokens = max(totals.pop("tokens"), 1.0)
     metrics = {f"{prefix}/{key}": value / tokens for key, value in totals.items()}
     metrics[f"{prefix}/grad_norm"] = sum(norms) / len(norms)

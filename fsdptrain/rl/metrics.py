@@ -20,8 +20,8 @@ from fsdptrain.rl.rollout.base import Generation
 def global_stats(name: str, values: Sequence[float], parallel: Parallel) -> dict[str, float]:
     """Mean, max and min of per-sample values over the step (each sample once: the data-parallel group)."""
     total, count = all_reduce_sum([float(sum(values)), float(len(values))], parallel.device, parallel.dp_group)
-    return {f"{name}/mean": total / max(count, 1.0), f"{name}/max": max_over_ranks(max(values, default=-math.inf), parallel.device),
-            f"{name}/min": -max_over_ranks(-min(values, default=math.inf), parallel.device)}
+    return {f"{name}/mean": total / max(count, 1.0), f"{name}/max": max_over_ranks(max(values, default=-math.inf), parallel.device, parallel.group),
+            f"{name}/min": -max_over_ranks(-min(values, default=math.inf), parallel.device, parallel.group)}
 
 
 def source_metrics(scored: Sequence[dict], parallel: Parallel) -> dict[str, float]:
@@ -50,8 +50,8 @@ def critic_metrics(samples: Sequence[Sample], generations: Sequence[Generation],
     metrics = {}
     for name, tensor, total in (("values", values, value_sum), ("returns", returns, return_sum)):
         metrics[f"critic/{name}/mean"] = total / max(count, 1.0)
-        metrics[f"critic/{name}/max"] = max_over_ranks(float(tensor.max()) if len(tensor) else -math.inf, parallel.device)
-        metrics[f"critic/{name}/min"] = -max_over_ranks(-float(tensor.min()) if len(tensor) else -math.inf, parallel.device)
+        metrics[f"critic/{name}/max"] = max_over_ranks(float(tensor.max()) if len(tensor) else -math.inf, parallel.device, parallel.group)
+        metrics[f"critic/{name}/min"] = -max_over_ranks(-float(tensor.min()) if len(tensor) else -math.inf, parallel.device, parallel.group)
     metrics["critic/vf_explained_var"] = 1.0 - variance(error_sum, error_squares) / (variance(return_sum, return_squares) + 1e-5)
     return metrics
 
@@ -106,12 +106,14 @@ def plot(history: list[dict], lengths: list[int], directory: str, logger: Metric
 
 
 def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], group_ids: Sequence[int], scored: list[dict],
-                  generations: Sequence[Generation], advantages: list[float], parallel: Parallel) -> None:
-    """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage, and the token
-    ids that were trained on (response_mask 1); a multi-turn trajectory's turns, each marked `trained` or not,
-    with its counts (rank 0 writes)."""
+                  generations: Sequence[Generation], advantages: list[float], parallel: Parallel, origins: Sequence[tuple[int, int]]) -> None:
+    """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage, the prompt
+    batch it was drawn in and the policy version that generated it (`origins`, by group), and the token ids that
+    were trained on (response_mask 1); a multi-turn trajectory's turns, each marked `trained` or not, with its
+    counts (rank 0 writes)."""
     rows = [{"prompt": prompts[group].messages, "ground_truth": prompts[group].ground_truth, "data_source": prompts[group].data_source,
-             **s, "advantage": a, "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
+             **s, "advantage": a, "batch": origins[group][0], "policy_version": origins[group][1],
+             "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
              **({} if g.trace is None else {"turns": g.trace.messages, "trace": {k: v for k, v in vars(g.trace).items() if k != "messages"}})}
             for group, s, g, a in zip(group_ids, scored, generations, advantages)]
     every_row = gather_lists(rows, parallel.dp_group)

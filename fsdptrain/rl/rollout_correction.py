@@ -58,7 +58,7 @@ def rollout_agreement(samples: Sequence[Sample], generations: Sequence[Generatio
             sample.token_values["sequence_tokens"].fill_(float(sample.loss_mask.sum()))
     diff_sum, kl_sum, tokens, responses = all_reduce_sum([diff_sum, kl_sum, tokens, len(samples)], parallel.device, parallel.dp_group)
     metrics = {"training/rollout_probs_diff_mean": diff_sum / max(tokens, 1.0),
-               "training/rollout_probs_diff_max": max_over_ranks(diff_max, parallel.device)}
+               "training/rollout_probs_diff_max": max_over_ranks(diff_max, parallel.device, parallel.group)}
     if correction.level is not None:
         metrics.update({f"rollout_corr/rollout_is_{k.rsplit('/', 1)[1]}": v for k, v in global_stats("weights", weights, parallel).items()})
         outside, count = all_reduce_sum([outside, len(weights)], parallel.device, parallel.dp_group)

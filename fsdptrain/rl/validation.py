@@ -5,21 +5,17 @@ rollout engine's responses, their summary per data_source, and the GRPO trainer'
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import item_text
-from fsdptrain.rl.rollout.base import Generation, RolloutEngine, group_ids
-from fsdptrain.rl.sampling import RolloutRequest, generate
+from fsdptrain.rl.rollout.base import Generation, group_ids
+from fsdptrain.rl.sampling import Answer, RolloutRequest
 
 # (responses, prompts, each response's group: the index of its prompt) -> each response's scores: `score`, `acc`,
 # `response`, `response_length`, and any its sources add
 Score = Callable[[Sequence[Generation], Sequence[Prompt], Sequence[int]], list[dict]]
-
-if TYPE_CHECKING:
-    from fsdptrain.rl.agent.loop import Loop
 
 
 def summarize(records: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -77,10 +73,10 @@ def ranking_summary(records: Sequence[dict], ks: Sequence[int]) -> dict[str, tup
     return {name: mean_and_se([v[name] for v in values]) for name in values[0]} if values else {}
 
 
-def evaluate(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[Prompt], score: Score, request: RolloutRequest) -> list[dict]:
-    """One record per response of the agent `loops` on a rollout engine (sampling.generate), `request.n` per
-    prompt: prompt, response, its scores (a multi-turn trajectory's turns and tool calls)."""
-    responses = generate(engine, loops, prompts, request)
+def evaluate(answer: Answer, prompts: Sequence[Prompt], score: Score, request: RolloutRequest) -> list[dict]:
+    """One record per response that `answer` gives (the agent loops on a rollout engine: sampling.local_answers),
+    `request.n` per prompt: prompt, response, its scores (a multi-turn trajectory's turns and tool calls)."""
+    responses = answer(prompts, request)
     ids = group_ids(len(prompts), request.n)
     records = []
     for response, group, scores in zip(responses, ids, score(responses, prompts, ids), strict=True):
@@ -91,18 +87,18 @@ def evaluate(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[
     return records
 
 
-def validate_on_ranks(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[Prompt], score: Score, request: RolloutRequest,
-                      parallel: Parallel, ranked: bool = False) -> dict[str, float]:
+def validate_on_ranks(answer: Answer, prompts: Sequence[Prompt], score: Score, request: RolloutRequest, parallel: Parallel,
+                      ranked: bool = False) -> dict[str, float]:
     """The GRPO trainer's validation: accuracy and mean reward per data_source (verl's `val-core/` metrics), each
     rank answering a share of the prompts; `ranked` (beam search: a prompt's responses best first), also HR@K and
     NDCG@K for the cut-offs of RANKING_KS within the beams."""
     mine = list(prompts[parallel.rank :: parallel.world_size])
     # Every rank calls the engine and the scorer, with or without prompts: a tensor-parallel engine needs all of its
     # ranks, and a reward model's forward passes are collectives.
-    records = evaluate(engine, loops, mine, score, request)
+    records = evaluate(answer, mine, score, request)
     for record in records:  # a prompt's place in the whole set, so that the gathered records keep prompts apart
         record["index"] = parallel.rank + record["index"] * parallel.world_size
-    records = gather_lists(records)
+    records = gather_lists(records, parallel.group)
     metrics = {}
     for source, figures in summarize(records).items():
         metrics[f"val-core/{source}/acc/mean@{request.n}"] = figures["acc"]

@@ -37,7 +37,7 @@ from fsdptrain.rl.agent.loop import AGENT_LOOPS, Loop, LoopContext
 from fsdptrain.rl.agent.tools import BaseTool, load_tools, tool_schemas
 from fsdptrain.rl.critic import Critic
 from fsdptrain.rl.data import Prompt, load_prompts
-from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, multi_turn_metrics, plot, source_metrics, step_metrics
+from fsdptrain.rl.metrics import critic_metrics, dump_rollouts, global_stats, multi_turn_metrics, plot, source_metrics, step_metrics
 from fsdptrain.rl.reference_sync import mix_policy_into_reference
 from fsdptrain.rl.remote_reward import RemoteReward
 from fsdptrain.rl.reward_model import RewardModel, same_tokenizer
@@ -55,9 +55,10 @@ from fsdptrain.rl.rewards import (
 )
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine
+from fsdptrain.rl.rollout.remote import RemoteRollout, serve_rollouts
 from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
-from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, fit_prompts, flatten
+from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, fit_prompts, flatten, local_answers
 from fsdptrain.rl.validation import validate_on_ranks
 from fsdptrain.trainer.grpo_plan import GRPOPlan, RewardModelPlan, RewardPlan
 from fsdptrain.trainer.runtime import memory_held_gb, peak_memory_gb
@@ -68,6 +69,7 @@ from fsdptrain.trainer.setup import (
     build_sharded_model,
     claim_run_directory,
     count_steps,
+    end_run,
     lost_ranks_named,
     open_run,
     start_run,
@@ -88,7 +90,7 @@ class GRPOStep:
     plan: GRPOPlan
     actor: PolicyActor
     reference: nn.Module | None  # with the KL loss or the KL in the reward; with LoRA, the actor's model (adapters off)
-    engine: RolloutEngine
+    engine: RolloutEngine | None  # None: standalone rollout ranks generate (the sampler's `remote`)
     sampler: GroupSampler
     critic: Critic | None  # PPO's (a critic estimator)
     kl_ctrl: core_algos.KLController | None  # the KL in the reward
@@ -149,7 +151,7 @@ class GRPOStep:
                 metrics.update(rollout_agreement([samples[i] for i in forwarded], [generations[i] for i in forwarded], plan.correction,
                                                  parallel)[0])
             with timer("update_weights"):
-                self.sync_weights()
+                self.sync_weights(timer.step)
         if plan.reference_sync is not None and plan.reference_sync.due(timer.step):
             with timer("sync_ref"):
                 mix_policy_into_reference(self.reference, self.actor.model, plan.reference_sync.alpha)
@@ -161,15 +163,18 @@ class GRPOStep:
         return StepResult(groups, response_advantages, metrics)
 
     def generate(self, timer: StepTimer) -> tuple[list, dict[str, float]]:
-        """The step's groups and the sampler's metrics; the actor's and critic's offloaded parts wait in host memory."""
+        """The step's groups and the sampler's metrics (with standalone rollout ranks, the groups' lag behind the
+        policy); the actor's and critic's offloaded parts wait in host memory."""
         with timer("gen"):
             self.actor_offload.leave()
             if self.critic_offload is not None:
                 self.critic_offload.leave()
             held = memory_held_gb(self.actor.parallel.device)
             groups, metrics = self.sampler.next_groups()
+        if self.sampler.remote is not None:  # the policy that trains on them is version step - 1
+            metrics.update(global_stats("async/staleness", [float(timer.step - 1 - g.policy_version) for g in groups], self.actor.parallel))
         if held is not None:
-            metrics["perf/memory_at_gen_gb"] = max_over_ranks(held, self.actor.parallel.device)
+            metrics["perf/memory_at_gen_gb"] = max_over_ranks(held, self.actor.parallel.device, self.actor.parallel.group)
         return groups, metrics
 
     def reference_log_probs(self, samples: list[Sample], timer: StepTimer) -> None:
@@ -207,7 +212,11 @@ class GRPOStep:
             put_token_values(samples, generations, returns, "returns")
         return advantages
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int) -> None:
+        """The policy after `version` updates to the engine, or to the standalone rollout ranks."""
+        if self.sampler.remote is not None:
+            self.sampler.remote.send_weights(self.actor.model, self.plan.engine.dtype, self.plan.weight_bucket_bytes, version)
+            return
         self.engine.wake_up()  # the weights go to the engine's own memory, not to what it parks while asleep
         sync_weights(self.actor.model, self.engine, self.plan.weight_bucket_bytes)
 
@@ -261,7 +270,10 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     inputs = read_grpo_inputs(plan, tokenizer)
     tokenizer, hf_config, train, val, total_steps, trainer = (inputs.tokenizer, inputs.hf_config, inputs.train, inputs.val, inputs.total_steps,
                                                               plan.trainer)
-    parallel = start_run(trainer, plan.sp_size, plan.nccl_timeout)
+    parallel = start_run(trainer, plan.sp_size, plan.nccl_timeout, plan.separate.ranks if plan.separate else 0)
+    if parallel.generates_only:
+        serve_as_rollout_rank(plan, inputs, parallel)
+        return
     claim_run_directory(trainer, parallel)
     kl_ctrl = build_kl_controller(plan.kl_control)
     shaping = RewardShaping(plan.shaping, RunningMoments())
@@ -282,17 +294,18 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
                    companions=companions, added=inputs.added)
     scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(plan.reward, plan, parallel, tokenizer, inputs.reward_config))
     step_once = build_step(plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic)
-    engine, loops = step_once.engine, inputs.loops
-    for loop in loops.values():
-        loop.engine = engine
-    step_once.sampler.loops = loops
-    step_once.sync_weights()  # the resumed weights, before the first rollout
+    engine, sampler = step_once.engine, step_once.sampler
+    if engine is not None:
+        for loop in inputs.loops.values():
+            loop.engine = engine
+        sampler.answer = local_answers(engine, inputs.loops)
+    step_once.sync_weights(run.step)  # the resumed weights, before the first rollout
     # Validation is scored as training is (the same sources, reward model and server), without the overlong penalty.
     validation_scorer = replace(scorer, overlong=None)
 
     def validate() -> dict[str, float]:
         score = lambda responses, prompts, ids: validation_scorer(responses, prompts, ids, "validation")  # noqa: E731
-        return validate_on_ranks(engine, loops, val, score, plan.validation, parallel, ranked=plan.ranked_responses)
+        return validate_on_ranks(sampler.answer, val, score, plan.validation, parallel, ranked=plan.ranked_responses)
 
     if val and trainer.val_before_train and run.step == 0:
         run.logger.log(validate(), 0)
@@ -307,7 +320,17 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
                     result.metrics.update(validate())
             metrics = record_step(step, result, timer, history, plan, run)
             run.end_step(step, metrics, score=f"{metrics['critic/score/mean']:.3f}", length=f"{metrics['response_length/mean']:.0f}")
-    run.finish(shutdown=engine.shutdown)
+    run.finish(shutdown=engine.shutdown if engine is not None else sampler.remote.stop)
+
+
+def serve_as_rollout_rank(plan: GRPOPlan, inputs: GRPOInputs, parallel: Parallel) -> None:
+    """A standalone rollout rank's run (separate_async): the agent loops on an engine of its own, always awake,
+    answering its training ranks until they stop (rl/rollout/remote.py)."""
+    engine = build_rollout(plan.engine_name, replace(plan.engine, free_cache_engine=False))
+    for loop in inputs.loops.values():
+        loop.engine = engine
+    serve_rollouts(engine, local_answers(engine, inputs.loops), parallel)
+    end_run(engine.shutdown)
 
 
 def record_step(step: int, result: StepResult, timer: StepTimer, history: list[dict], plan: GRPOPlan, run: Run) -> dict[str, float]:
@@ -317,13 +340,15 @@ def record_step(step: int, result: StepResult, timer: StepTimer, history: list[d
     if plan.loss.kl_coef is not None:
         metrics["actor/kl_coef"] = plan.loss.kl_coef
     timer.seconds["step"] = timer.elapsed()
-    metrics.update({f"timing_s/{k}": max_over_ranks(v, parallel.device) for k, v in timer.seconds.items()})
+    metrics.update({f"timing_s/{k}": max_over_ranks(v, parallel.device, parallel.group) for k, v in timer.seconds.items()})
     metrics["perf/throughput"] = metrics.pop("perf/tokens") / parallel.world_size / timer.seconds["step"]
-    metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device)
+    metrics["perf/max_memory_gb"] = max_over_ranks(peak_memory_gb(parallel.device), parallel.device, parallel.group)
     if trainer.rollout_data_dir:
         scored = [s for g in groups for s in g.scored]
         generations, ids = flatten(groups)
-        dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], ids, scored, generations, result.response_advantages, parallel)
+        origins = [(g.batch, step - 1 if g.policy_version is None else g.policy_version) for g in groups]
+        dump_rollouts(trainer.rollout_data_dir, step, [g.prompt for g in groups], ids, scored, generations, result.response_advantages, parallel,
+                      origins)
     history.append({"step": step, **metrics})
     if run.due(step, trainer.plot_freq, last_when_off=True):
         lengths = [generation.generated_tokens for g in groups for generation in g.generations]
@@ -463,9 +488,13 @@ def build_step(plan: GRPOPlan, run: Run, reference: nn.Module | None, train: lis
     if critic is not None:
         critic_fsdp = plan.critic_model.fsdp
         critic_offload = PhaseOffload(critic.model, critic.optimizer, critic_fsdp.param_offload, critic_fsdp.optimizer_offload)
-    engine = build_rollout(plan.engine_name, plan.engine)
-    sampler = GroupSampler(train, plan.data.train_batch_size, plan.data.shuffle, trainer.seed, engine,
+    engine, remote = None, None
+    if plan.separate is None:
+        engine = build_rollout(plan.engine_name, plan.engine)
+    else:
+        remote = RemoteRollout(parallel, plan.separate.lead, plan.separate.max_lag, run.total_steps)
+    sampler = GroupSampler(train, plan.data.train_batch_size, plan.data.shuffle, trainer.seed,
                            engine_index(parallel.rank, plan.engine.tensor_parallel_size), plan.request, scorer, parallel, plan.filter_metric,
-                           plan.max_gen_batches, cursor, score_later=plan.score_later,
+                           plan.max_gen_batches, cursor, score_later=plan.score_later, answer=remote.answer if remote else None, remote=remote,
                            answer_ids=answer_encoder(scorer.tokenizer) if plan.add_ground_truth else None)
     return GRPOStep(plan, policy, reference, engine, sampler, critic, kl_ctrl, shaping, actor_offload, reference_offload, critic_offload)

@@ -94,6 +94,16 @@ class RewardPlan:
 
 
 @dataclass(frozen=True)
+class SeparateRollout:
+    """trainer.v1.trainer_mode=separate_async: torchrun's last `ranks` processes generate, the others train
+    (rl/rollout/remote.py)."""
+
+    ranks: int
+    lead: int  # prompt batches asked for ahead of the one trained (num_warmup_batches)
+    max_lag: int | None  # the most versions a trained group may lag the policy that trains on it (max_off_policy_threshold)
+
+
+@dataclass(frozen=True)
 class GRPOPlan:
     trainer: GRPOTrainerConfig
     data: RLDataConfig
@@ -143,6 +153,7 @@ class GRPOPlan:
     multi_turn: MultiTurnSettings | None
     default_agent_loop: str  # for rows without `agent_name`
     overlong: OverlongBuffer | None
+    separate: SeparateRollout | None  # standalone rollout ranks (separate_async); None: every rank generates, then trains
 
 
 def batching(config: GRPOConfig, size: int, size_key: str, dynamic: bool | None, max_tokens: int | None, max_tokens_key: str, packed: bool,
@@ -420,8 +431,56 @@ def check_add_gt(config: GRPOConfig, derived: Derived) -> None:
                           f"{ROLLOUT}.calculate_log_probs=false and algorithm.rollout_correction off) and no turns (multi_turn)")
 
 
+def rollout_ranks(config: GRPOConfig) -> int:
+    """separate_async's standalone rollout ranks (0 in the sync mode)."""
+    rollout = config.actor_rollout_ref.rollout
+    if config.trainer.mode != "separate_async" or rollout.nnodes <= 0 or not rollout.n_gpus_per_node:
+        return 0
+    return rollout.nnodes * rollout.n_gpus_per_node
+
+
+def training_world(config: GRPOConfig, world: World) -> World:
+    """The processes that train: torchrun's, less the standalone rollout ranks."""
+    return replace(world, world_size=world.world_size - rollout_ranks(config))
+
+
+def check_separate_async(config: GRPOConfig, world: World) -> None:
+    """separate_async's placement and what it does not do yet; in the sync mode, no rollout ranks."""
+    rollout, trainer, key = config.actor_rollout_ref.rollout, config.trainer, "trainer.v1.trainer_mode=separate_async"
+    if trainer.mode != "separate_async":
+        if rollout.nnodes:
+            raise ConfigError(f"{ROLLOUT}.nnodes={rollout.nnodes} asks for standalone rollout ranks, which only {key} (with "
+                              "trainer.use_v1=true) has: every rank generates, then trains")
+        return
+    if rollout.nnodes <= 0 or not rollout.n_gpus_per_node or rollout.n_gpus_per_node <= 0:
+        raise ConfigError(f"{key} generates on standalone rollout ranks: set {ROLLOUT}.nnodes and {ROLLOUT}.n_gpus_per_node (> 0; "
+                          f"got {rollout.nnodes} and {rollout.n_gpus_per_node})")
+    ranks = rollout_ranks(config)
+    training = world.world_size - ranks
+    if training < 1:
+        raise ConfigError(f"{key}: {ranks} rollout ranks ({ROLLOUT}.nnodes x n_gpus_per_node) leave none of the {world.world_size} "
+                          "processes to train")
+    if training % ranks:
+        raise ConfigError(f"{key}: each rollout rank serves as many training ranks as the others: the {ranks} rollout ranks must divide "
+                          f"the {training} training ranks ({world.world_size} processes)")
+    sync_step, mini, batch = trainer.v1.separate_async.parameter_sync_step, config.actor_rollout_ref.actor.ppo_mini_batch_size, config.data.train_batch_size
+    if batch != sync_step * mini:
+        raise ConfigError(f"{key}: the weights go to the rollout ranks once a step, after its parameter_sync_step updates, so "
+                          f"data.train_batch_size ({batch}) must equal trainer.v1.separate_async.parameter_sync_step ({sync_step}) x "
+                          f"{ACTOR}.ppo_mini_batch_size ({mini}) (verl's rule)")
+    if rollout.name != "hf":
+        raise ConfigError(f"{key} with {ROLLOUT}.name={rollout.name}: the standalone rollout ranks run the hf engine; vLLM there is "
+                          "not built yet")
+    sizes = {f"{ACTOR}.fsdp_config.fsdp_size": config.actor_rollout_ref.actor.fsdp_config.fsdp_size,
+             "actor_rollout_ref.ref.fsdp_config.fsdp_size": config.actor_rollout_ref.ref.fsdp_config.fsdp_size,
+             f"{CRITIC}.model.fsdp_config.fsdp_size": config.critic.model.fsdp_config.fsdp_size,
+             "reward_model.model.fsdp_config.fsdp_size": config.reward_model.model.fsdp_config.fsdp_size}
+    if hybrid := [f"{name}={size}" for name, size in sizes.items() if size not in (-1, training)]:
+        raise ConfigError(f"{key} with hybrid sharding ({', '.join(hybrid)}) is not built yet: the training ranks shard over all of them")
+
+
 def check_layout(config: GRPOConfig, world: World, derived: Derived) -> None:
-    """Sizes that depend on the number of ranks."""
+    """Sizes that depend on the number of (training) ranks."""
     data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     sp, tp = actor.ulysses_sequence_parallel_size, rollout.tensor_model_parallel_size
     check_sp_divides_world(sp, world.world_size)
@@ -473,7 +532,8 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: check_beam_search(config, derived),
         lambda: check_add_gt(config, derived),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
-        lambda: check_layout(config, world, derived),
+        lambda: check_separate_async(config, world),
+        lambda: check_layout(config, training_world(config, world), derived),
         *([lambda: check_packages(run_packages(config, derived.engine))] if world.here else []),
     ]
 
@@ -517,6 +577,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     data, model, actor, rollout, ref = (config.data, config.actor_rollout_ref.model, config.actor_rollout_ref.actor,
                                         config.actor_rollout_ref.rollout, config.actor_rollout_ref.ref)
     algorithm, trainer, sp = config.algorithm, config.trainer, actor.ulysses_sequence_parallel_size
+    world = training_world(config, world)
     dp = world.world_size // sp
     use_kl_in_reward = algorithm.use_kl_in_reward
     correction, policy_loss = algorithm.rollout_correction, actor.policy_loss
@@ -604,6 +665,8 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                                 algorithm.reward_clip),
         tools_file=multi_turn.tool_config_path if multi_turn.enable else None,
         interactions_file=multi_turn.interaction_config_path if multi_turn.enable else None,
+        separate=(SeparateRollout(rollout_ranks(config), trainer.v1.separate_async.num_warmup_batches, trainer.v1.sampler.max_off_policy_threshold)
+                  if rollout_ranks(config) else None),
     )
 
 

@@ -33,12 +33,13 @@ from fsdptrain.optim import build_optimizer, build_scheduler
 from fsdptrain.trainer.runtime import announce_once, apply_cpu_speedups, quiet_non_main, seed_everything
 
 
-def start_run(trainer: TrainerConfig, sp_size: int, timeout_s: float = 1800) -> Parallel:
-    """Join the process group (dp x sp mesh; collectives wait `timeout_s` for every rank), die with torchrun's
-    launcher, quiet the other ranks' library output, seed every generator."""
+def start_run(trainer: TrainerConfig, sp_size: int, timeout_s: float = 1800, rollout_ranks: int = 0) -> Parallel:
+    """Join the process group (dp x sp mesh over the training ranks, all but the last `rollout_ranks`; collectives
+    wait `timeout_s` for every rank), die with torchrun's launcher, quiet the other ranks' library output, seed
+    every generator."""
     die_with_launcher()
-    parallel = init_parallel(trainer.device, sp_size, timeout_s)
-    start_heartbeat(parallel.rank, parallel.world_size)
+    parallel = init_parallel(trainer.device, sp_size, timeout_s, rollout_ranks)
+    start_heartbeat(parallel.rank, parallel.world_size + parallel.rollout_ranks)
     quiet_non_main(parallel)
     seed_everything(trainer.seed)
     return parallel
@@ -53,7 +54,7 @@ def claim_run_directory(trainer: TrainerConfig, parallel: Parallel) -> None:
             lock_run_directory(trainer.default_local_dir)
         except ConfigError as e:
             refusal = [str(e)]
-    dist.broadcast_object_list(refusal, src=0)
+    dist.broadcast_object_list(refusal, src=0, group=parallel.group)
     if refusal[0] is not None:
         raise ConfigError(refusal[0])
 
@@ -128,7 +129,7 @@ class Run:
         tear the process group down itself."""
         self.bar.close()
         self.logger.close()
-        dist.barrier()
+        dist.barrier(group=self.parallel.group)
         if self.parallel.is_main:
             release_run_directory(self.trainer.default_local_dir)
         end_run(shutdown)

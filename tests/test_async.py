@@ -1,0 +1,133 @@
+"""Asynchronous RL as verl 0.9's separate_async trainer (docs/async.md): standalone rollout ranks generate ahead of
+the training ranks, the policy version of every trained group bounded by max_off_policy_threshold. Exact at a lag
+of 0 against the synchronous run; the lag bound checked from the rollout dumps."""
+
+import json
+import os
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from conftest import assert_same_weights, hf_weights, read_metrics, torchrun
+from fsdptrain.config.verl_keys import translate
+from fsdptrain.distributed.mesh import World
+from fsdptrain.errors import ConfigError
+from fsdptrain.trainer.grpo_plan import read_grpo_config
+from test_grpo import grpo_args
+from test_ownership import restarted_run
+
+SEPARATE = {"trainer__v1__trainer_mode": "separate_async", "actor_rollout_ref__rollout__nnodes": 1}
+
+
+def run(nproc: int, model: str, data, out: str, **overrides) -> list[dict]:
+    settings = {"data__val_files": "null", "trainer__total_training_steps": 3, "trainer__rollout_data_dir": f"{out}/rollouts",
+                "trainer__save_freq": -1, "trainer__checkpoint__save_contents": "[hf_model]", **overrides}
+    torchrun(nproc, "fsdptrain.grpo_trainer", grpo_args(model, data, out, **settings))
+    return read_metrics(out)
+
+
+def problems(processes: int, *overrides: str) -> str:
+    """The ConfigError of a GRPO config with `overrides` on `processes` CPU processes, or "" where it loads."""
+    with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+        try:
+            read_grpo_config(compose(config_name="grpo_trainer", overrides=["data.train_files=x.parquet", "actor_rollout_ref.model.path=m",
+                                                                             "trainer.v1.trainer_mode=separate_async", *overrides]),
+                             world=World(0, processes, processes, torch.device("cpu")))
+        except ConfigError as error:
+            return str(error)
+    return ""
+
+
+def test_impossible_splits_and_what_is_not_built_are_refused_before_any_process_starts():
+    """verl's rule for parameter_sync_step, a placement that leaves no training rank or splits the training ranks
+    unevenly between the rollout ranks, the engines and modes not built: each named with its keys."""
+    pool = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+    fits = ["trainer.v1.separate_async.parameter_sync_step=1", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    assert "actor_rollout_ref.rollout.nnodes and actor_rollout_ref.rollout.n_gpus_per_node" in problems(2, *fits)
+    assert "data.train_batch_size (4) must equal trainer.v1.separate_async.parameter_sync_step (4) x actor_rollout_ref.actor" in problems(
+        2, *pool, "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    assert "1 rollout ranks (actor_rollout_ref.rollout.nnodes x n_gpus_per_node) leave none of the 1 processes" in problems(1, *pool, *fits)
+    assert "the 2 rollout ranks must divide the 3 training ranks" in problems(5, "actor_rollout_ref.rollout.nnodes=1",
+                                                                              "actor_rollout_ref.rollout.n_gpus_per_node=2", *fits)
+    assert "actor_rollout_ref.rollout.name=vllm: the standalone rollout ranks run the hf engine" in problems(
+        2, *pool, *fits, "actor_rollout_ref.rollout.name=vllm")
+    assert "hybrid sharding (actor_rollout_ref.actor.fsdp_config.fsdp_size=2) is not built yet" in problems(
+        5, *pool, *fits, "actor_rollout_ref.actor.fsdp_config.fsdp_size=2")
+    assert "colocate_async (generation paused and resumed around each update on the training ranks) is not built" in problems(
+        2, *fits, "trainer.v1.trainer_mode=colocate_async")
+    assert "asks for standalone rollout ranks, which only trainer.v1.trainer_mode=separate_async" in problems(
+        2, *pool, "trainer.use_v1=false")
+    assert problems(2, *pool, *fits) == ""
+
+
+def test_the_launch_shape_counts_the_rollout_ranks_apart():
+    """verl's trainer.n_gpus_per_node is the training ranks'; the rollout ranks default to as many, as in verl."""
+    given = ["trainer.n_gpus_per_node=2", "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1"]
+    kept, found = translate(given, "grpo", 4)
+    assert found == [] and "actor_rollout_ref.rollout.n_gpus_per_node=2" in kept
+    _, found = translate(given, "grpo", 2)
+    assert found == ["trainer.nnodes (1) x trainer.n_gpus_per_node (2) must equal the number of processes torchrun started (2) less the 2 "
+                     "rollout ranks (actor_rollout_ref.rollout.nnodes x n_gpus_per_node): launch with 2 + 2 processes, or fix the keys"]
+
+
+def dumped(out: str) -> dict[int, list[dict]]:
+    return {int(name.removesuffix(".jsonl")): [json.loads(line) for line in open(os.path.join(out, "rollouts", name))]
+            for name in os.listdir(os.path.join(out, "rollouts"))}
+
+
+@pytest.mark.parametrize("training_ranks", [1, 2])
+def test_separate_rollout_ranks_at_lag_zero_are_the_synchronous_run(tmp_path, tiny_llama, rl_data, training_ranks):
+    """T training ranks with T rollout ranks (parameter_sync_step 1, max_off_policy_threshold 0, wait, a batch asked
+    for ahead) against the synchronous run on T ranks, fp32, same seed: the same responses, rewards, losses, gradient
+    norms and final weights, every trained group generated by the policy that trains on it."""
+    sync = run(training_ranks, tiny_llama, rl_data, str(tmp_path / "sync"), trainer__save_freq=3)
+    separate = run(2 * training_ranks, tiny_llama, rl_data, str(tmp_path / "separate"), **SEPARATE, trainer__save_freq=3,
+                   actor_rollout_ref__rollout__n_gpus_per_node=training_ranks, trainer__v1__separate_async__parameter_sync_step=1,
+                   trainer__v1__sampler__max_off_policy_threshold=0, trainer__v1__sampler__max_off_policy_strategy="wait")
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
+        assert [m[key] for m in separate] == pytest.approx([m[key] for m in sync], rel=1e-6, abs=1e-7), key
+    assert [m["async/staleness/max"] for m in separate] == [0, 0, 0]
+    for step, rows in dumped(str(tmp_path / "separate")).items():
+        reference = dumped(str(tmp_path / "sync"))[step]
+        assert [r["response_ids"] for r in rows] == [r["response_ids"] for r in reference]
+        assert {r["policy_version"] for r in rows} == {step - 1}
+    assert_same_weights(hf_weights(str(tmp_path / "separate" / "global_step_3")), hf_weights(str(tmp_path / "sync" / "global_step_3")), atol=1e-6)
+
+
+def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks(tmp_path, tiny_llama, rl_data):
+    """An epoch (8 batches of 4 prompts) on one training and one rollout rank, four updates a step
+    (parameter_sync_step 4), three batches asked for ahead and max_off_policy_threshold 2, under torchrun
+    --max-restarts=2: the training rank killed in step 3's update, then (resumed from the checkpoint before) the
+    rollout rank killed as it starts step 6's batch. The run finishes, and read from its dumps: every batch of the
+    epoch was trained once, by the step it belongs to (the resumed run asks for the batches after its checkpoint
+    again: docs/async.md); no group lags the policy that trains on it by more than 2 versions, and the bound is
+    reached (the rollout rank does run ahead); the logged lag is the dumps'."""
+    args = grpo_args(tiny_llama, rl_data, "unused", data__val_files="null", trainer__total_training_steps="null", trainer__save_freq=1,
+                     trainer__checkpoint__save_contents="[model,optimizer,extra]", trainer__rollout_data_dir=f"{tmp_path}/restarted/rollouts",
+                     actor_rollout_ref__rollout__n_gpus_per_node=1, actor_rollout_ref__actor__ppo_mini_batch_size=1,
+                     trainer__v1__separate_async__parameter_sync_step=4, trainer__v1__separate_async__num_warmup_batches=3,
+                     trainer__v1__sampler__max_off_policy_threshold=2, **SEPARATE)
+    out = restarted_run(tmp_path, "fsdptrain.grpo_trainer", [a for a in args if not a.startswith("trainer.default_local_dir=")],
+                        ["update_actor@3:0", "rollout@6:1"])
+    rows = dumped(out)
+    assert sorted(rows) == list(range(1, 9))
+    lags = {}
+    for step, dump in rows.items():
+        assert {r["batch"] for r in dump} == {step - 1} and len(dump) == 16
+        lags[step] = max(step - 1 - r["policy_version"] for r in dump)
+    prompts = [json.dumps(r["prompt"]) for step in sorted(rows) for r in rows[step][::4]]
+    assert len(set(prompts)) == 32
+    assert max(lags.values()) == 2 and min(lags.values()) >= 0
+    logged = {m["step"]: m["async/staleness/max"] for m in read_metrics(out)}
+    assert logged == lags
+
+
+def test_the_check_says_which_ranks_train_and_which_generate(capsys, tiny_llama, rl_data):
+    from fsdptrain.check import main
+
+    args = grpo_args(tiny_llama, rl_data, "unused", **SEPARATE, actor_rollout_ref__rollout__n_gpus_per_node=2, trainer__v1__separate_async__parameter_sync_step=1)
+    assert main(["grpo", "--nproc-per-node", "4", "--device", "cpu", *args]) == 0
+    out = capsys.readouterr().out
+    assert "data-parallel 2 x sequence-parallel 1" in out
+    assert "placement (separate_async): ranks 0-1 train, ranks 2-3 generate (1 training rank(s) each); 1 batch(es) asked for ahead" in out
