@@ -40,16 +40,18 @@ def launch_workers_if_asked(module: str, argv: list[str]) -> int | None:
     """Run `module` with `argv` on the workers the command line asks for, and return the exit code for this
     process; None where this process is to train itself (under torchrun, or one process asked for)."""
     shape = launch_shape(argv)
-    if under_torchrun() or "WORLD_SIZE" in os.environ or shape is None or shape == (1, 1):  # already a launcher's worker
+    if under_torchrun() or "WORLD_SIZE" in os.environ or shape is None:  # already a launcher's worker
         return None
     nodes, per_node = shape
+    rollout = rollout_shape(argv)  # separate_async's standalone rollout ranks come after the training ones
+    rollout_nodes, rollout_per_node = rollout.get("nnodes", 0), rollout.get("n_gpus_per_node", per_node)
+    rollout_ranks = rollout_nodes * rollout_per_node if isinstance(rollout_nodes, int) and isinstance(rollout_per_node, int) else 0
+    if (nodes, per_node + rollout_ranks) == (1, 1):
+        return None
     if nodes != 1:
         print(f"fsdptrain: trainer.nnodes={nodes}: several nodes are launched by torchrun on each, with "
               f"--nnodes={nodes} --nproc_per_node={per_node} (docs/multinode.md)", file=sys.stderr)
         return 1
-    rollout = rollout_shape(argv)  # separate_async's standalone rollout ranks come after the training ones
-    rollout_nodes, rollout_per_node = rollout.get("nnodes", 0), rollout.get("n_gpus_per_node", per_node)
-    rollout_ranks = rollout_nodes * rollout_per_node if isinstance(rollout_nodes, int) and isinstance(rollout_per_node, int) else 0
     return launch_workers(module, argv, per_node + rollout_ranks)
 
 
