@@ -12,9 +12,9 @@ rank serves its requests in order of arrival as soon as it holds weights that ne
 At a lag of 0 the rollout ranks generate exactly what the synchronous run's ranks would (same prompts, seeds and
 weights), and the run is the synchronous run.
 
-Messages are pickled objects sent as a length and a byte tensor (tag HEADER, BODY) on the CPU; weights are
-tensors on the run's device (tag WEIGHTS: NCCL between GPUs, gloo on CPU). Every send is non-blocking and kept
-until it completes, so neither side waits for the other to receive.
+Messages are pickled objects sent as a length and a byte tensor (tag HEADER, BODY), and the weights are host
+tensors (tag WEIGHTS), all over gloo (a GPU run's backend is gloo for CPU tensors, NCCL for CUDA ones). Every send
+is non-blocking and kept until it completes, so neither side waits for the other to receive.
 """
 
 import pickle
@@ -186,7 +186,10 @@ class RemoteRollout:
         parallel = self.parallel
         if parallel.is_main:
             self.sends.wait()
-        weights = [(name, tensor.contiguous()) for name, tensor in merged_weights(model, dtype, bucket_bytes=bucket_bytes)]
+        # rank 0 keeps a host copy until the sends complete (the live parameters move on; a copy on the device would
+        # double the model there): the weights travel through gloo
+        weights = [(name, tensor.detach().to("cpu", copy=True).contiguous() if parallel.is_main else None)
+                   for name, tensor in merged_weights(model, dtype, bucket_bytes=bucket_bytes)]
         if not parallel.is_main:
             return
         for server in range(parallel.world_size, parallel.world_size + parallel.rollout_ranks):
@@ -208,11 +211,12 @@ class RemoteRollout:
         self.sends.wait()
 
 
-def incoming_weights(count: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """The `count` tensors training rank 0 sends after a WeightsFollow, each as it arrives."""
+def incoming_weights(count: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The `count` tensors training rank 0 sends after a WeightsFollow, each as it arrives (in host memory: the
+    engine copies it to its device)."""
     for _ in range(count):
         announced, _ = recv_object(0)
-        tensor = torch.empty(announced.shape, dtype=announced.dtype, device=device)
+        tensor = torch.empty(announced.shape, dtype=announced.dtype)
         dist.recv(tensor, src=0, tag=WEIGHTS)
         yield announced.name, tensor
 
@@ -244,7 +248,7 @@ def serve_rollouts(engine: RolloutEngine, generate: Callable[[Sequence[Prompt], 
                      for s, request in queue]
         elif isinstance(message, WeightsFollow):
             engine.wake_up()
-            engine.update_weights(incoming_weights(message.count, parallel.device))
+            engine.update_weights(incoming_weights(message.count))
             version = message.version
         elif isinstance(message, Stop):
             queue = [(s, request) for s, request in queue if s != sender]
