@@ -113,7 +113,8 @@ def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks
     rollout rank killed as it starts step 6's batch. The run finishes, and read from its dumps: every batch of the
     epoch was trained once, by the step it belongs to (the resumed run asks for the batches after its checkpoint
     again: docs/async.md); no group lags the policy that trains on it by more than 2 versions, and the bound is
-    reached (the rollout rank does run ahead); the logged lag is the dumps'."""
+    reached (the rollout rank does run ahead); the logged lag is the dumps'; each response's tokens carry the
+    versions that drew them, in order, from its group's."""
     args = grpo_args(tiny_llama, rl_data, "unused", data__val_files="null", trainer__total_training_steps="null", trainer__save_freq=1,
                      trainer__checkpoint__save_contents="[model,optimizer,extra]", trainer__rollout_data_dir=f"{tmp_path}/restarted/rollouts",
                      actor_rollout_ref__rollout__n_gpus_per_node=1, actor_rollout_ref__actor__ppo_mini_batch_size=1,
@@ -127,6 +128,9 @@ def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks
     for step, dump in rows.items():
         assert {r["batch"] for r in dump} == {step - 1} and len(dump) == 16
         lags[step] = max(step - 1 - r["policy_version"] for r in dump)
+        for r in dump:  # a response continued under newer weights (partial rollouts) starts with its group's version
+            versions = r["token_versions"]
+            assert versions == sorted(versions) and versions[0] == r["policy_version"] and versions[-1] <= step - 1
     prompts = [json.dumps(r["prompt"]) for step in sorted(rows) for r in rows[step][::4]]
     assert len(set(prompts)) == 32
     assert max(lags.values()) == 2 and min(lags.values()) >= 0
@@ -142,3 +146,41 @@ def test_the_check_says_which_ranks_train_and_which_generate(capsys, tiny_llama,
     out = capsys.readouterr().out
     assert "data-parallel 2 x sequence-parallel 1" in out
     assert "placement (separate_async): ranks 0-1 train, ranks 2-3 generate (1 training rank(s) each); 1 batch(es) asked for ahead" in out
+
+
+def test_a_response_goes_on_under_the_weights_that_come_while_it_is_drawn(tiny_llama):
+    """Partial rollouts in the hf engine's decoding: new weights taken after the third token; each token's
+    sampling log-prob is the log-softmax of a plain forward of the model whose weights drew it (version 0: the
+    pretrained model; version 1: another), given the whole prefix, and each token is tagged with that version."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdptrain.rl.rollout.hf import WeightsRefresh, end_token_ids, generate
+
+    first = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    second = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+    engine = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    calls = []
+
+    def load() -> int | None:
+        calls.append(1)
+        if len(calls) != 3:
+            return None
+        with torch.no_grad():
+            for mine, theirs in zip(engine.parameters(), second.parameters()):
+                mine.copy_(theirs)
+        return 1
+
+    torch.manual_seed(0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    generations = generate(engine, prompts, n=2, max_new_tokens=8, batch_size=4, end_ids=end_token_ids(engine, 0), pad_id=0,
+                           calculate_log_probs=True, refresh=WeightsRefresh(load, 0))
+    assert {tuple(g.versions) for g in generations} == {(0, 0, 0, 1, 1, 1, 1, 1)}
+    for g in generations:
+        ids = torch.tensor(g.prompt_ids + g.response_ids)[None]
+        with torch.no_grad():
+            by_version = [model(ids).logits[0, len(g.prompt_ids) - 1 : -1].log_softmax(-1) for model in (first, second)]
+        expected = [by_version[v][i, token] for i, (v, token) in enumerate(zip(g.versions, g.response_ids))]
+        assert torch.tensor(g.log_probs) == pytest.approx(torch.stack(expected), abs=1e-5)

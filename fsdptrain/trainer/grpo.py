@@ -55,7 +55,7 @@ from fsdptrain.rl.rewards import (
 )
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine
-from fsdptrain.rl.rollout.remote import RemoteRollout, serve_rollouts
+from fsdptrain.rl.rollout.remote import RemoteRollout, RolloutServer
 from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, fit_prompts, flatten, local_answers
@@ -164,7 +164,8 @@ class GRPOStep:
 
     def generate(self, timer: StepTimer) -> tuple[list, dict[str, float]]:
         """The step's groups and the sampler's metrics (with standalone rollout ranks, the groups' lag behind the
-        policy); the actor's and critic's offloaded parts wait in host memory."""
+        policy and the share of responses drawn by two versions or more); the actor's and critic's offloaded parts
+        wait in host memory."""
         with timer("gen"):
             self.actor_offload.leave()
             if self.critic_offload is not None:
@@ -172,7 +173,10 @@ class GRPOStep:
             held = memory_held_gb(self.actor.parallel.device)
             groups, metrics = self.sampler.next_groups()
         if self.sampler.remote is not None:  # the policy that trains on them is version step - 1
-            metrics.update(global_stats("async/staleness", [float(timer.step - 1 - g.policy_version) for g in groups], self.actor.parallel))
+            parallel = self.actor.parallel
+            metrics.update(global_stats("async/staleness", [float(timer.step - 1 - g.policy_version) for g in groups], parallel))
+            partial = [float(len(set(r.versions or [])) > 1) for g in groups for r in g.generations]
+            metrics["async/partial_responses"] = global_stats("partial", partial, parallel)["partial/mean"]
         if held is not None:
             metrics["perf/memory_at_gen_gb"] = max_over_ranks(held, self.actor.parallel.device, self.actor.parallel.group)
         return groups, metrics
@@ -329,7 +333,7 @@ def serve_as_rollout_rank(plan: GRPOPlan, inputs: GRPOInputs, parallel: Parallel
     engine = build_rollout(plan.engine_name, replace(plan.engine, free_cache_engine=False))
     for loop in inputs.loops.values():
         loop.engine = engine
-    serve_rollouts(engine, local_answers(engine, inputs.loops), parallel)
+    RolloutServer(engine, local_answers(engine, inputs.loops), parallel).serve()
     end_run(engine.shutdown)
 
 

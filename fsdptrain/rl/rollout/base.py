@@ -53,6 +53,7 @@ class Generation:
     log_probs: list[float] | None  # with calculate_log_probs, the sampling log-probs: after temperature, top-k and top-p
     truncated: bool  # stopped by max_new_tokens (a multi-turn trajectory: by its response budget) before an end token
     trace: AgentTrace | None = None  # a multi-turn trajectory's
+    versions: list[int] | None = None  # partial rollouts: the policy version that drew each response token
 
     @property
     def mask(self) -> torch.Tensor:

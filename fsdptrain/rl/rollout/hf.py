@@ -4,7 +4,7 @@ prefilled once for their n responses or beams, one uniform a sampled token, ende
 with a catalog, every response one of its items). Runs wherever transformers runs."""
 
 import inspect
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,17 +88,30 @@ def constrained_draw(logits: torch.Tensor, done: torch.Tensor, tree: dict[tuple[
     return tokens, (logits / temperature).log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
 
 
+@dataclass
+class WeightsRefresh:
+    """Partial rollouts (standalone rollout ranks): `load` loads the policy's newer weights where they have come
+    and returns their version (None: none came); the responses being decoded go on under them, their keys and
+    values recomputed, each token tagged with the version that drew it."""
+
+    load: Callable[[], int | None]
+    version: int  # the weights' version now
+
+
 @torch.no_grad()
 def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool,
-           tree: dict[tuple[int, ...], list[int]] | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, log-probs), each (rows, max_new_tokens), decoded from each row's next-token `logits` after its
-    left-padded prompt, whose keys and values `cache` holds; with a catalog's prefix `tree`, every response is one
-    of its items. A row ends at its first end token (pad after it); only the rows still going are forwarded, their
-    cache entries selected as the others end."""
+           tree: dict[tuple[int, ...], list[int]] | None = None, temperature: float = 1.0,
+           refresh: WeightsRefresh | None = None, prompts: Sequence[list[int]] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, log-probs, versions), each (rows, max_new_tokens), decoded from each row's next-token `logits` after
+    its left-padded prompt (`prompts`, one a row, with `refresh`), whose keys and values `cache` holds; with a
+    catalog's prefix `tree`, every response is one of its items. A row ends at its first end token (pad after it);
+    only the rows still going are forwarded, their cache entries selected as the others end. With `refresh`,
+    newer weights are taken between two tokens (versions: the one that drew each token; else all 0)."""
     rows, device = logits.shape[0], logits.device
     tokens = torch.full((rows, max_new_tokens), pad_id, device=device)
     log_probs = torch.zeros(rows, max_new_tokens, device=device)
+    versions = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
     live = torch.arange(rows, device=device)
     ends = torch.tensor(end_ids, device=device)
     positions = attention_mask.sum(-1)  # the next token's position: the row's count of real tokens
@@ -109,6 +122,8 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
         else:
             chosen, chosen_log_probs = constrained_draw(logits.float(), tokens[live, :step], tree, end_ids, warp, do_sample, temperature)
         tokens[live, step], log_probs[live, step] = chosen, chosen_log_probs
+        if refresh is not None:
+            versions[live, step] = refresh.version
         going = ~torch.isin(chosen, ends)
         if step == max_new_tokens - 1 or not going.any():
             break
@@ -116,11 +131,16 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
             keep = going.nonzero().squeeze(1)
             live, chosen, attention_mask, positions = live[keep], chosen[keep], attention_mask[keep], positions[keep]
             cache.batch_select_indices(keep)
+        if refresh is not None and (version := refresh.load()) is not None:  # the live rows so far, prefilled under the new weights
+            refresh.version = version
+            cache, logits, attention_mask = prefill(model, [list(prompts[row]) + tokens[row, : step + 1].tolist() for row in live.tolist()], pad_id)
+            positions = attention_mask.sum(-1)
+            continue
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
         logits = model(input_ids=chosen[:, None], attention_mask=attention_mask, position_ids=positions[:, None], use_cache=True,
                        **{keyword: cache}).logits[:, -1]
         positions = positions + 1
-    return tokens, log_probs
+    return tokens, log_probs, versions
 
 
 def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
@@ -140,25 +160,27 @@ def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int) -
 def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
     pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, do_sample: bool = True,
-    calculate_log_probs: bool = False, tree: dict[tuple[int, ...], list[int]] | None = None,
+    calculate_log_probs: bool = False, tree: dict[tuple[int, ...], list[int]] | None = None, refresh: WeightsRefresh | None = None,
 ) -> list[Generation]:
     """`n` responses to each prompt (n in a row), in left-padded batches. Each distinct prompt of a batch is
     prefilled once and its key/value cache copied to its responses: on a CPU, prefilling n copies of a prompt costs
     more than decoding the answers. Sampling follows the rollout's temperature, top-k and top-p only (not the
-    model's generation_config), the distribution whose log-probs the trainer computes."""
+    model's generation_config), the distribution whose log-probs the trainer computes. With `refresh` (partial
+    rollouts), each response token carries the version of the weights that drew it."""
     warp = warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     generations = []
     for distinct, copies in group_batches(prompts, n, batch_size):
         cache, logits, attention_mask = prefill(model, distinct, pad_id)
         cache.batch_repeat_interleave(copies)
-        tokens, log_probs = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0),
-                                   max_new_tokens, end_ids, pad_id, warp, do_sample, tree, temperature)
         batch = [ids for ids in distinct for _ in range(copies)]
+        tokens, log_probs, versions = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0),
+                                             max_new_tokens, end_ids, pad_id, warp, do_sample, tree, temperature, refresh, batch)
         for row, ids in enumerate(tokens.tolist()):
             end = next((i for i, token in enumerate(ids) if token in end_ids), None)
             kept = len(ids) if end is None else end + 1
             sampled = log_probs[row, :kept].tolist() if calculate_log_probs else None
-            generations.append(Generation(batch[row], ids[:kept], [1] * kept, sampled, end is None))
+            drawn_by = versions[row, :kept].tolist() if refresh is not None else None
+            generations.append(Generation(batch[row], ids[:kept], [1] * kept, sampled, end is None, versions=drawn_by))
     return generations
 
 
@@ -269,6 +291,7 @@ class HFRollout:
         self.parked = HostCopies()  # the weights' bytes while asleep
         self.beams = beams  # rollout.beam_search: each prompt's n responses are its n beams (rollout/beams.py)
         self.catalog = None
+        self.refresh: WeightsRefresh | None = None  # partial rollouts: newer weights taken between two tokens
         if catalog_file:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.catalog = catalog_tree(read_catalog(catalog_file, "actor_rollout_ref.rollout.catalog_file"), tokenizer,
@@ -279,7 +302,7 @@ class HFRollout:
         if self.beams:
             return beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog, batch_size)
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
-                        calculate_log_probs, self.catalog)
+                        calculate_log_probs, self.catalog, self.refresh)
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

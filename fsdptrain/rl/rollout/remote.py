@@ -17,6 +17,7 @@ tensors (tag WEIGHTS), all over gloo (a GPU run's backend is gloo for CPU tensor
 is non-blocking and kept until it completes, so neither side waits for the other to receive.
 """
 
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,8 +33,10 @@ from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.models.lora import merged_weights
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine
+from fsdptrain.rl.rollout.hf import WeightsRefresh
 
 HEADER, BODY, WEIGHTS = 101, 102, 103
+LOOK_EVERY_S = 0.02  # how often a decoding rollout rank looks for newer weights
 
 
 @dataclass
@@ -113,6 +116,14 @@ class Stop:
 @dataclass(frozen=True)
 class Stopped:
     """The rollout rank has dropped that training rank's unanswered requests: the last message it sends it."""
+
+
+ANNOUNCED = f"fsdptrain/weights_version/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # the latest version rank 0 has sent
+
+
+def announcements() -> dist.Store:
+    """The run's key-value store (the one its process group started from), where rank 0 announces each version."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False)
 
 
 def rollout_rank_of(rank: int, parallel: Parallel) -> int:
@@ -197,6 +208,7 @@ class RemoteRollout:
             for name, tensor in weights:
                 send_object(TensorFollows(name, tuple(tensor.shape), tensor.dtype), server, self.sends)
                 self.sends.add(tensor, server, WEIGHTS)
+        announcements().set(ANNOUNCED, str(version))  # after the sends are queued: a rank that reads it finds them coming
 
     def stop(self) -> None:
         """Say that this rank asks no more (rank 0: to every rollout rank, which its weights reach): each drops
@@ -221,37 +233,77 @@ def incoming_weights(count: int) -> Iterator[tuple[str, torch.Tensor]]:
         yield announced.name, tensor
 
 
-def serve_rollouts(engine: RolloutEngine, generate: Callable[[Sequence[Prompt], Any], list[Generation]], parallel: Parallel) -> None:
-    """A rollout rank's life: take requests from its training ranks and weights from rank 0, and answer each
-    request, in order of arrival, once it holds weights at least as new as the request asks (`generate`: the agent
-    loops on `engine`), until its training ranks and rank 0 have said stop."""
-    version, queue, sends, idle = -1, [], Sends(), 0.0
-    talking = {rank for rank in range(parallel.world_size) if rollout_rank_of(rank, parallel) == parallel.rank} | {0}
-    while talking:
-        ready = next((i for i, (_, request) in enumerate(queue) if request.min_version <= version), None)
-        if ready is not None:
-            sender, request = queue.pop(ready)
-            if request.key >= 0:
-                fault_point("rollout", request.key + 1)  # a training batch, by the step it is expected at
-            if request.seed is not None:
-                torch.manual_seed(request.seed)
-            send_object(GenerateResult(request.key, generate(request.prompts, request.request), version, idle), sender, sends)
-            idle = 0.0
-            continue
-        waited = time.perf_counter()
-        message, sender = recv_object(None)
-        idle += time.perf_counter() - waited
-        if isinstance(message, GenerateRequest):
-            queue.append((sender, message))
-        elif isinstance(message, Sooner):
-            queue = [(s, replace(request, min_version=message.min_version) if (s, request.key) == (sender, message.key) else request)
-                     for s, request in queue]
-        elif isinstance(message, WeightsFollow):
-            engine.wake_up()
-            engine.update_weights(incoming_weights(message.count))
-            version = message.version
-        elif isinstance(message, Stop):
-            queue = [(s, request) for s, request in queue if s != sender]
-            send_object(Stopped(), sender, sends)
-            talking.discard(sender)
-    sends.wait()
+@dataclass
+class RolloutServer:
+    """A rollout rank: it takes requests from its training ranks and weights from rank 0, and answers each request,
+    in order of arrival, once it holds weights at least as new as the request asks (`generate`: the agent loops on
+    `engine`), until its training ranks and rank 0 have said stop. An engine that decodes with a `refresh` (the hf
+    engine) takes weights that come while it decodes between two tokens (partial rollouts): rank 0 announces each
+    version in the run's key-value store, which a decoding rank reads without taking its messages in turn."""
+
+    engine: RolloutEngine
+    generate: Callable[[Sequence[Prompt], Any], list[Generation]]
+    parallel: Parallel
+    version: int = -1  # of the weights held: none yet
+    queue: list[tuple[int, GenerateRequest]] = field(default_factory=list)
+    inbox: list[tuple[Any, int]] = field(default_factory=list)  # rank 0's messages read while decoding, to handle in order
+    sends: Sends = field(default_factory=Sends)
+    idle: float = 0.0  # seconds waiting since the last answer
+    looked: float = 0.0  # when it last looked for an announcement
+    store: dist.Store = field(default_factory=lambda: announcements())
+
+    def serve(self) -> None:
+        parallel = self.parallel
+        talking = {rank for rank in range(parallel.world_size) if rollout_rank_of(rank, parallel) == parallel.rank} | {0}
+        if hasattr(self.engine, "refresh"):
+            self.engine.refresh = WeightsRefresh(self.newer_weights, self.version)
+        while talking:
+            ready = next((i for i, (_, request) in enumerate(self.queue) if request.min_version <= self.version), None)
+            if ready is not None:
+                self.answer(*self.queue.pop(ready))
+                continue
+            waited = time.perf_counter()
+            message, sender = self.inbox.pop(0) if self.inbox else recv_object(None)
+            self.idle += time.perf_counter() - waited
+            if isinstance(message, GenerateRequest):
+                self.queue.append((sender, message))
+            elif isinstance(message, Sooner):
+                self.queue = [(s, replace(request, min_version=message.min_version) if (s, request.key) == (sender, message.key) else request)
+                              for s, request in self.queue]
+            elif isinstance(message, WeightsFollow):
+                self.load(message)
+            elif isinstance(message, Stop):
+                self.queue = [(s, request) for s, request in self.queue if s != sender]
+                send_object(Stopped(), sender, self.sends)
+                talking.discard(sender)
+        self.sends.wait()
+
+    def answer(self, sender: int, request: GenerateRequest) -> None:
+        if request.key >= 0:
+            fault_point("rollout", request.key + 1)  # a training batch, by the step it is expected at
+        if request.seed is not None:
+            torch.manual_seed(request.seed)
+        started = self.version  # the oldest version of any token of the answer
+        send_object(GenerateResult(request.key, self.generate(request.prompts, request.request), started, self.idle), sender, self.sends)
+        self.idle = 0.0
+
+    def load(self, message: WeightsFollow) -> None:
+        self.engine.wake_up()
+        self.engine.update_weights(incoming_weights(message.count))
+        self.version = message.version
+        if getattr(self.engine, "refresh", None) is not None:
+            self.engine.refresh.version = self.version
+
+    def newer_weights(self) -> int | None:
+        """Newer weights where rank 0 has announced some, loaded (its messages read before them kept in the inbox),
+        and their version; None where none was announced (looked for every LOOK_EVERY_S at most)."""
+        if time.perf_counter() - self.looked < LOOK_EVERY_S:
+            return None
+        self.looked = time.perf_counter()
+        if not self.store.check([ANNOUNCED]) or int(self.store.get(ANNOUNCED)) <= self.version:
+            return None
+        while not isinstance(message := recv_object(0)[0], WeightsFollow):
+            self.inbox.append((message, 0))
+        self.load(message)
+        return self.version
+
