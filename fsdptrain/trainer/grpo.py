@@ -22,7 +22,7 @@ from fsdptrain.data.dataset import Sample, check_files_exist
 from fsdptrain.data.micro_batches import MicroBatching
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.offload import PhaseOffload
-from fsdptrain.distributed.reductions import max_over_ranks
+from fsdptrain.distributed.reductions import all_reduce_sum, max_over_ranks
 from fsdptrain.errors import ConfigError
 from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
@@ -175,8 +175,9 @@ class GRPOStep:
         if self.sampler.remote is not None:  # the policy that trains on them is version step - 1
             parallel = self.actor.parallel
             metrics.update(global_stats("async/staleness", [float(timer.step - 1 - g.policy_version) for g in groups], parallel))
-            partial = [float(len(set(r.versions or [])) > 1) for g in groups for r in g.generations]
-            metrics["async/partial_responses"] = global_stats("partial", partial, parallel)["partial/mean"]
+            partial, responses = all_reduce_sum([sum(len(set(r.versions or [])) > 1 for g in groups for r in g.generations),
+                                                 sum(len(g.generations) for g in groups)], parallel.device, parallel.dp_group)
+            metrics["async/partial_responses"] = partial / max(responses, 1.0)
         if held is not None:
             metrics["perf/memory_at_gen_gb"] = max_over_ranks(held, self.actor.parallel.device, self.actor.parallel.group)
         return groups, metrics
