@@ -147,6 +147,7 @@ class RemoteRollout:
     answers: int = 0  # answers asked for so far, for their keys
     waited: float = 0.0  # seconds spent waiting for answers, since the sampler zeroed it
     idle: float = 0.0  # the rollout rank's idle seconds reported with the answers taken since
+    store: dist.Store | None = None  # rank 0's connection to the run's store, where it announces each version
 
     @property
     def server(self) -> int:
@@ -208,7 +209,8 @@ class RemoteRollout:
             for name, tensor in weights:
                 send_object(TensorFollows(name, tuple(tensor.shape), tensor.dtype), server, self.sends)
                 self.sends.add(tensor, server, WEIGHTS)
-        announcements().set(ANNOUNCED, str(version))  # after the sends are queued: a rank that reads it finds them coming
+        self.store = self.store or announcements()
+        self.store.set(ANNOUNCED, str(version))  # after the sends are queued: a rank that reads it finds them coming
 
     def stop(self) -> None:
         """Say that this rank asks no more (rank 0: to every rollout rank, which its weights reach): each drops
