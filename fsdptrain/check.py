@@ -59,6 +59,10 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
         placement = [f"placement (separate_async): ranks 0-{trainers - 1} train, ranks {trainers}-{trainers + servers - 1} generate "
                      f"({trainers // servers} training rank(s) each); {plan.separate.lead} batch(es) asked for ahead, a trained group's lag "
                      f"{lag}"]
+    elif plan.colocate is not None:
+        lag = "unbounded" if plan.colocate.max_lag is None else f"at most {plan.colocate.max_lag} version(s), a staler one dropped"
+        placement = [f"placement (colocate_async): every rank generates and trains; its unfinished responses stay in flight across steps, "
+                     f"{plan.colocate.lead} batch(es) in flight ahead, a trained group's lag {lag}"]
     return [
         processes(world, plan.sp_size, trainers),
         *placement,

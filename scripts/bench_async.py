@@ -1,6 +1,7 @@
 """Asynchronous RL against the sync mode (docs/async.md): the same GRPO run on the same processes, every rank
 generating then training (sync), against half of them training while the other half generate ahead
-(trainer.v1.trainer_mode=separate_async), on prompts whose answers have long-tailed lengths.
+(trainer.v1.trainer_mode=separate_async), and against every rank generating and training with the unfinished
+responses kept in flight across steps (colocate_async), on prompts whose answers have long-tailed lengths.
 
     python scripts/bench_async.py --model runs/quickstart/smollm2 [--steps 6] [--prompts 8] [--responses 4]
         [--max-new-tokens 192] [--long-every 10] [--nproc 2] [--lead 1] [--lag 1] [--bf16] [--json out.json]
@@ -10,10 +11,11 @@ asking instead for a count that runs to the response limit (`--max-new-tokens`),
 step's generation for many times the others' length; the measured lengths (median, 90th percentile, longest) are
 in the table. Both modes: the same data in order, `--prompts` prompts x `--responses` responses a step, one update
 a step (parameter_sync_step 1), fp32 (or bf16), `--nproc` processes of one thread each. separate_async trains on half
-of them and generates on the other half, `--lead` batches asked for ahead, each trained group at most `--lag`
-versions behind the policy. Figures are means over steps 2..N (step 1 starts up): the step's time and samples (prompts
-x responses) a second, the time the training ranks wait for generations and the time the rollout ranks wait for
-requests or weights, each a step.
+of them and generates on the other half, `--lead` batches asked for ahead; colocate_async keeps `--lead` batches in
+flight ahead of the step's; in both each trained group is at most `--lag` versions behind the policy. Figures are
+means over steps 2..N (step 1 starts up): the step's time and samples (prompts x responses) a second, the time
+spent generating (sync, colocate_async) or waiting for generations (separate_async's training ranks), the time
+the rollout ranks wait for requests or weights, and the groups left in flight after a step (colocate_async).
 """
 
 import argparse
@@ -56,6 +58,9 @@ def run(mode: str, data: str, args) -> dict:
         overrides = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", f"actor_rollout_ref.rollout.n_gpus_per_node={args.nproc // 2}",
                      "trainer.v1.separate_async.parameter_sync_step=1", f"trainer.v1.separate_async.num_warmup_batches={args.lead}",
                      f"trainer.v1.sampler.max_off_policy_threshold={args.lag}"]
+    elif mode == "colocate_async":
+        overrides = ["trainer.v1.trainer_mode=colocate_async", f"trainer.v1.colocate_async.num_warmup_batches={args.lead}",
+                     f"trainer.v1.sampler.max_off_policy_threshold={args.lag}"]
     memory = launch([*torchrun(args.nproc), "-m", "fsdptrain.grpo_trainer", f"data.train_files={data}", "data.val_files=null",
                      "data.max_prompt_length=128", f"data.max_response_length={args.max_new_tokens}", f"data.train_batch_size={args.prompts}",
                      "data.shuffle=false", f"actor_rollout_ref.model.path={args.model}", "actor_rollout_ref.model.enable_gradient_checkpointing=false",
@@ -72,7 +77,7 @@ def run(mode: str, data: str, args) -> dict:
     return {"step_s": mean("timing_s/step"), "samples_per_s": args.prompts * args.responses / mean("timing_s/step"),
             "gen_s": mean("timing_s/gen"), "update_s": mean("timing_s/update_actor"), "trainer_wait_s": mean("async/trainer_wait_s"),
             "rollout_idle_s": mean("async/rollout_idle_s"), "lag_max": max(m.get("async/staleness/max", 0.0) for m in metrics),
-            "partial_responses": mean("async/partial_responses"),
+            "partial_responses": mean("async/partial_responses"), "in_flight_groups": mean("async/in_flight_groups"),
             "lengths": {"p50": statistics.median(lengths), "p90": sorted(lengths)[int(0.9 * (len(lengths) - 1))], "max": max(lengths)},
             "max_proc_rss_gb": memory["max_proc_rss_gb"]}
 
@@ -80,15 +85,14 @@ def run(mode: str, data: str, args) -> dict:
 def table(results: dict, nproc: int) -> str:
     sync = results["sync"]["samples_per_s"]
     lines = ["| mode | processes | step s | samples/s | vs sync | generation s (sync) / waiting for it (async) | update s "
-             "| rollout ranks idle s | lag max | responses drawn by 2+ versions | length p50 / p90 / max | peak GB/process |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| rollout ranks idle s | groups in flight | lag max | responses drawn by 2+ versions | length p50 / p90 / max | peak GB/process |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
-        processes = f"{nproc} train and generate" if mode == "sync" else f"{nproc // 2} train + {nproc // 2} generate"
+        processes = f"{nproc // 2} train + {nproc // 2} generate" if mode == "separate_async" else f"{nproc} train and generate"
         lengths = r["lengths"]
         lines.append(f"| {mode} | {processes} | {r['step_s']:.2f} | {r['samples_per_s']:.2f} | {r['samples_per_s'] / sync:.2f}x | {r['gen_s']:.2f} "
-                     f"| {r['update_s']:.2f} | {r['rollout_idle_s']:.2f} | {r['lag_max']:.0f} | {r['partial_responses']:.0%} "
+                     f"| {r['update_s']:.2f} | {r['rollout_idle_s']:.2f} | {r['in_flight_groups']:.1f} | {r['lag_max']:.0f} | {r['partial_responses']:.0%} "
                      f"| {lengths['p50']:.0f} / {lengths['p90']:.0f} / {lengths['max']} | {r['max_proc_rss_gb']:.2f} |")
-    lines.append("| colocate_async | | not built | | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -101,15 +105,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--long-every", type=int, default=10, help="every this many-th prompt asks for a long answer")
     parser.add_argument("--nproc", type=int, default=2, help="processes: separate_async trains on half, generates on the other half")
-    parser.add_argument("--lead", type=int, default=1, help="separate_async: batches asked for ahead (num_warmup_batches)")
-    parser.add_argument("--lag", type=int, default=1, help="separate_async: max_off_policy_threshold")
+    parser.add_argument("--lead", type=int, default=1, help="batches asked for ahead (separate_async) or in flight ahead (colocate_async): num_warmup_batches")
+    parser.add_argument("--lag", type=int, default=1, help="max_off_policy_threshold")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--work", default="/tmp/bench_async")
     parser.add_argument("--json")
     args = parser.parse_args()
     data = long_tailed_data(os.path.join(args.work, "data"), args.long_every)
     results = {}
-    for mode in ("sync", "separate_async"):
+    for mode in ("sync", "separate_async", "colocate_async"):
         print(f"== {mode}", flush=True)
         results[mode] = run(mode, data, args)
     print(table(results, args.nproc))

@@ -126,14 +126,14 @@ def test_bench_matmul_runs_both_settings():
 
 
 def test_bench_async_runs_both_modes_on_long_tailed_prompts(tmp_path, tiny_llama):
-    """The sync run and separate_async on the same processes, every 10th prompt asking for a long count."""
+    """The sync mode, separate_async and colocate_async on the same processes, every other prompt asking for a long count."""
     out = tmp_path / "async.json"
     subprocess.run([sys.executable, "scripts/bench_async.py", "--model", tiny_llama, "--steps", "2", "--prompts", "2", "--responses", "2",
                     "--max-new-tokens", "8", "--long-every", "2", "--work", str(tmp_path), "--json", str(out)], cwd=REPO, check=True,
                    capture_output=True, timeout=300)
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"sync", "separate_async"}
-    assert results["sync"]["lag_max"] == 0 and results["separate_async"]["lag_max"] <= 1
+    assert set(results) == {"sync", "separate_async", "colocate_async"}
+    assert results["sync"]["lag_max"] == 0 and results["separate_async"]["lag_max"] <= 1 and results["colocate_async"]["lag_max"] <= 1
     assert all(r["samples_per_s"] > 0 and r["lengths"]["max"] <= 8 for r in results.values())
     prompts = pq.read_table(tmp_path / "data" / "long_tailed.parquet").column("prompt").to_pylist()
     assert sum("Count from 1 to 1000" in p[-1]["content"] for p in prompts) == len(prompts) // 2

@@ -609,16 +609,14 @@ def validate_grpo_trainer(trainer: GRPOTrainerConfig) -> None:
     if trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
     v1 = trainer.v1
-    if v1.trainer_mode == "colocate_async":
-        raise ConfigError("trainer.v1.trainer_mode=colocate_async (generation paused and resumed around each update on the training "
-                          "ranks) is not built yet: use separate_async (standalone rollout ranks) or sync")
-    one_of("trainer.v1.trainer_mode", v1.trainer_mode, ("sync", "separate_async"))
+    one_of("trainer.v1.trainer_mode", v1.trainer_mode, ("sync", "separate_async", "colocate_async"))
     one_of("trainer.v1.sampler.max_off_policy_strategy", v1.sampler.max_off_policy_strategy, ("drop", "wait"))
     if v1.sampler.max_off_policy_threshold is not None and v1.sampler.max_off_policy_threshold < 0:
         raise ConfigError(f"trainer.v1.sampler.max_off_policy_threshold must be >= 0 or null, got {v1.sampler.max_off_policy_threshold}")
     positive("trainer.v1.separate_async.parameter_sync_step", v1.separate_async.parameter_sync_step)
-    if v1.separate_async.num_warmup_batches < 0:
-        raise ConfigError(f"trainer.v1.separate_async.num_warmup_batches must be >= 0, got {v1.separate_async.num_warmup_batches}")
+    for mode, warmup in (("separate_async", v1.separate_async.num_warmup_batches), ("colocate_async", v1.colocate_async.num_warmup_batches)):
+        if warmup < 0:
+            raise ConfigError(f"trainer.v1.{mode}.num_warmup_batches must be >= 0, got {warmup}")
 
 
 @dataclass

@@ -53,6 +53,11 @@ class Parallel:
         return self.rank >= self.world_size
 
     @property
+    def standalone_rollout_ranks(self) -> range:
+        """torchrun's ranks that only generate (none in the sync mode)."""
+        return range(self.world_size, self.world_size + self.rollout_ranks)
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         """This rank and the ranks at its place in the other SP groups: each sample of the step once."""
         return self.mesh.get_group("dp")

@@ -21,7 +21,8 @@ HEARTBEAT_S = 1.0
 STALE_S = 4.0  # four beats: a thread a few beats late under load is not taken for lost
 
 
-def _store(timeout_s: float) -> dist.TCPStore:
+def run_store(timeout_s: float) -> dist.TCPStore:
+    """A client of the run's key-value store (the one its process group started from)."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
@@ -38,7 +39,7 @@ def start_heartbeat(rank: int, world_size: int) -> None:
     global _beating
     if world_size == 1 or _beating is not None:
         return
-    store = _store(30.0)
+    store = run_store(30.0)
     stop = threading.Event()
 
     def beat() -> None:
@@ -102,7 +103,7 @@ def announce_reported() -> None:
     """The reporter has printed the roll call's outcome: the other ranks may leave (torchrun stops every worker
     of a node as soon as one exits, so a rank that left first could cut the report off)."""
     try:
-        _store(STALE_S).set(_reported_key(), "1")
+        run_store(STALE_S).set(_reported_key(), "1")
     except RuntimeError:  # the store is gone: every rank reports for itself
         pass
 
@@ -110,7 +111,7 @@ def announce_reported() -> None:
 def await_report(timeout_s: float) -> None:
     """Wait, at most `timeout_s`, until the reporter has printed (announce_reported)."""
     try:
-        store = _store(timeout_s)
+        store = run_store(timeout_s)
         store.wait([_reported_key()], timedelta(seconds=timeout_s))
     except RuntimeError:  # the store is gone, or the reporter never got there: leave anyway
         pass
@@ -120,7 +121,7 @@ def roll_call(stale_s: float = STALE_S) -> RollCall:
     """Which ranks' beats still move: read them all, wait `stale_s`, read them again."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
-        store = _store(stale_s)
+        store = run_store(stale_s)
         keys = [_key(rank) for rank in range(world_size)]
         first = [store.add(key, 0) for key in keys]
         time.sleep(stale_s)

@@ -17,6 +17,7 @@ from fsdptrain.errors import ConfigError, UserError
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import Scorer
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine, group_ids
+from fsdptrain.rl.rollout.in_flight import ResponsePool
 from fsdptrain.rl.rollout.remote import RemoteRollout
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class Group:
     generations: list[Generation]
     scored: list[dict]
     batch: int = -1  # the prompt batch it was drawn in (PromptCursor's count)
-    policy_version: int | None = None  # the updates in the weights that generated it (standalone rollout ranks); None: the current ones
+    policy_version: int | None = None  # the updates in the weights that drew its oldest token (the asynchronous modes); None: the current ones
 
 
 def flatten(groups: Sequence[Group]) -> tuple[list[Generation], list[int]]:
@@ -136,7 +137,8 @@ def with_answers(generations: list[Generation], prompts: Sequence[Prompt], n: in
 @dataclass
 class GroupSampler:
     """Draws each step's groups: this data-parallel rank's share of the next batch of `batch_size` prompts,
-    generated (`answer`, or a standalone rollout rank: `remote`) and scored. The ranks of a Ulysses group generate
+    generated (`answer`, or a standalone rollout rank: `remote`; with `pool`, colocate_async, as many groups from
+    the responses in flight) and scored. The ranks of a Ulysses group generate
     a part each, then all hold the whole share. With `filter_metric` (dynamic sampling, a key of FILTER_KEYS) only
     groups whose score varies are kept."""
 
@@ -156,6 +158,8 @@ class GroupSampler:
     score_later: bool = False
     answer: Answer | None = None  # the engine's agent loops (set once they exist), or the rollout rank's
     remote: RemoteRollout | None = None  # a standalone rollout rank generates the batches, asked ahead of time
+    pool: ResponsePool | None = None  # colocate_async: the engine's responses in flight across steps
+    dropped: int = 0  # colocate_async: groups dropped for lagging the policy too far, since next_groups began
     answer_ids: Callable[[Prompt], list[int]] | None = None  # rollout.add_gt: each group holds its prompt's answer
     worker: ThreadPoolExecutor | None = None
     pending: Future | None = None
@@ -164,7 +168,7 @@ class GroupSampler:
     def next_groups(self) -> tuple[list[Group], dict[str, float]]:
         """The step's groups and, with dynamic sampling, how many batches it drew (`train/num_gen_batches`); with
         standalone rollout ranks, the waits on both sides and the requests still out (`async/*`)."""
-        self.step_start = self.cursor.batches
+        self.step_start, self.dropped = self.cursor.batches, 0
         if self.remote is not None:
             self.remote.waited = self.remote.idle = 0.0
         if self.filter_metric is None:
@@ -175,6 +179,9 @@ class GroupSampler:
         if self.remote is not None:
             metrics.update({"async/trainer_wait_s": self.remote.waited, "async/rollout_idle_s": self.remote.idle,
                             "async/requests_ahead": float(len(self.remote.requested))})
+        if self.pool is not None:
+            metrics["async/dropped_groups"], metrics["async/in_flight_groups"] = all_reduce_sum([self.dropped, len(self.pool.groups)], self.parallel.device,
+                                                                                                self.parallel.dp_group)
         return groups, metrics
 
     def batch_prompts(self, number: int) -> list[Prompt]:
@@ -195,14 +202,20 @@ class GroupSampler:
         number = cursor.batches
         prompts = self.batch_prompts(number)
         cursor.batches += 1
-        version = None
-        if self.remote is None:
+        batches, versions = [number] * len(prompts), [None] * len(prompts)
+        if self.pool is not None:
+            torch.manual_seed(self.batch_seed(number))
+            in_flight, dropped = self.pool.take(number, request)
+            self.dropped += dropped
+            prompts, batches, versions = [g.prompt for g in in_flight], [g.batch for g in in_flight], [g.oldest_version for g in in_flight]
+            generations = [r for g in in_flight for r in g.generations(self.pool.engine.end_ids, request.calculate_log_probs)]
+        elif self.remote is None:
             torch.manual_seed(self.batch_seed(number))
             generations = self.answer(prompts, request)
         else:
             result = self.remote.batch(number, lambda ahead: (self.batch_prompts(ahead), self.batch_seed(ahead)), request,
                                        lambda ahead: ahead - self.step_start)
-            generations, version = result.generations, result.version
+            generations, versions = result.generations, [result.version] * len(prompts)
         if self.answer_ids is not None:
             generations = with_answers(generations, prompts, request.n, self.answer_ids)
         ids, scored = group_ids(len(prompts), request.n), []
@@ -211,7 +224,7 @@ class GroupSampler:
             self.pending = self.worker.submit(self.score, generations, prompts, ids, f"prompt batch {cursor.batches}")
         else:
             scored = self.score(generations, prompts, ids, f"prompt batch {cursor.batches}")
-        groups = [Group(prompt, [g for g, k in zip(generations, ids) if k == i], [s for s, k in zip(scored, ids) if k == i], number, version)
+        groups = [Group(prompt, [g for g, k in zip(generations, ids) if k == i], [s for s, k in zip(scored, ids) if k == i], batches[i], versions[i])
                   for i, prompt in enumerate(prompts)]
         return gather_lists(groups, parallel.ulysses_group) if parallel.sp_size > 1 else groups
 

@@ -55,6 +55,7 @@ from fsdptrain.rl.rewards import (
 )
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine
+from fsdptrain.rl.rollout.in_flight import ResponsePool
 from fsdptrain.rl.rollout.remote import RemoteRollout, RolloutServer
 from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
@@ -172,7 +173,7 @@ class GRPOStep:
                 self.critic_offload.leave()
             held = memory_held_gb(self.actor.parallel.device)
             groups, metrics = self.sampler.next_groups()
-        if self.sampler.remote is not None:  # the policy that trains on them is version step - 1
+        if self.sampler.remote is not None or self.sampler.pool is not None:  # the policy that trains on them is version step - 1
             parallel = self.actor.parallel
             metrics.update(global_stats("async/staleness", [float(timer.step - 1 - g.policy_version) for g in groups], parallel))
             partial, responses = all_reduce_sum([sum(len(set(r.versions or [])) > 1 for g in groups for r in g.generations),
@@ -224,6 +225,8 @@ class GRPOStep:
             return
         self.engine.wake_up()  # the weights go to the engine's own memory, not to what it parks while asleep
         sync_weights(self.actor.model, self.engine, self.plan.weight_bucket_bytes)
+        if self.sampler.pool is not None:
+            self.sampler.pool.version = version
 
 
 @dataclass
@@ -283,8 +286,9 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     kl_ctrl = build_kl_controller(plan.kl_control)
     shaping = RewardShaping(plan.shaping, RunningMoments())
     cursor = PromptCursor()
+    pool = ResponsePool(parallel, plan.request.n, plan.colocate.lead, plan.colocate.max_lag) if plan.colocate is not None else None
     critic = build_critic(plan, parallel, total_steps, inputs.critic_config) if plan.critic is not None else None
-    states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {})}
+    states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {}), **({"in_flight": pool} if pool is not None else {})}
     if critic is not None:
         states["critic_scheduler"] = critic.scheduler
     if plan.shaping.norm == "running":
@@ -298,7 +302,7 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     run = open_run(parallel, trainer, plan.actor_model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, states=states,
                    companions=companions, added=inputs.added)
     scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(plan.reward, plan, parallel, tokenizer, inputs.reward_config))
-    step_once = build_step(plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic)
+    step_once = build_step(plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic, pool)
     engine, sampler = step_once.engine, step_once.sampler
     if engine is not None:
         for loop in inputs.loops.values():
@@ -473,10 +477,11 @@ def answer_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Prompt], lis
 
 
 def build_step(plan: GRPOPlan, run: Run, reference: nn.Module | None, train: list, scorer: Scorer,
-               cursor: PromptCursor, kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None) -> GRPOStep:
+               cursor: PromptCursor, kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None,
+               pool: ResponsePool | None) -> GRPOStep:
     """The step's parts, built with the plan's settings: the actor on the run's model, the reference (LoRA's: the
     actor's model), the rollout engine (without weights until the first sync) and the sampler that drives it; the
-    critic and a standalone reference come built (their checkpoints were resumed with the run's)."""
+    critic, a standalone reference and colocate_async's pool come built (their states were resumed with the run's)."""
     parallel, trainer = run.parallel, plan.trainer
     policy = PolicyActor(run.model, run.optimizer, run.scheduler, parallel, plan.forward, plan.loss, plan.update, plan.update_batching,
                          plan.log_prob_batching, run.trained_rows)
@@ -501,5 +506,7 @@ def build_step(plan: GRPOPlan, run: Run, reference: nn.Module | None, train: lis
     sampler = GroupSampler(train, plan.data.train_batch_size, plan.data.shuffle, trainer.seed,
                            engine_index(parallel.rank, plan.engine.tensor_parallel_size), plan.request, scorer, parallel, plan.filter_metric,
                            plan.max_gen_batches, cursor, score_later=plan.score_later, answer=remote.answer if remote else None, remote=remote,
-                           answer_ids=answer_encoder(scorer.tokenizer) if plan.add_ground_truth else None)
+                           answer_ids=answer_encoder(scorer.tokenizer) if plan.add_ground_truth else None, pool=pool)
+    if pool is not None:
+        pool.engine, pool.share = engine, sampler.batch_prompts
     return GRPOStep(plan, policy, reference, engine, sampler, critic, kl_ctrl, shaping, actor_offload, reference_offload, critic_offload)

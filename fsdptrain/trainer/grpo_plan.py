@@ -104,6 +104,15 @@ class SeparateRollout:
 
 
 @dataclass(frozen=True)
+class ColocatedAsync:
+    """trainer.v1.trainer_mode=colocate_async: every rank generates and trains, and keeps its unfinished responses
+    in flight across steps (rl/rollout/in_flight.py)."""
+
+    lead: int  # prompt batches in flight ahead of the one a step draws (num_warmup_batches)
+    max_lag: int | None  # the most versions a trained group may lag the policy that trains on it (max_off_policy_threshold)
+
+
+@dataclass(frozen=True)
 class GRPOPlan:
     trainer: GRPOTrainerConfig
     data: RLDataConfig
@@ -154,6 +163,7 @@ class GRPOPlan:
     default_agent_loop: str  # for rows without `agent_name`
     overlong: OverlongBuffer | None
     separate: SeparateRollout | None  # standalone rollout ranks (separate_async); None: every rank generates, then trains
+    colocate: ColocatedAsync | None = None  # colocate_async's responses in flight
 
 
 def batching(config: GRPOConfig, size: int, size_key: str, dynamic: bool | None, max_tokens: int | None, max_tokens_key: str, packed: bool,
@@ -479,6 +489,19 @@ def check_separate_async(config: GRPOConfig, world: World) -> None:
         raise ConfigError(f"{key} with hybrid sharding ({', '.join(hybrid)}) is not built yet: the training ranks shard over all of them")
 
 
+def check_colocate_async(config: GRPOConfig) -> None:
+    """What colocate_async's pool of responses in flight does not do yet."""
+    rollout, trainer, key = config.actor_rollout_ref.rollout, config.trainer, "trainer.v1.trainer_mode=colocate_async"
+    if trainer.mode != "colocate_async":
+        return
+    refused = {f"{ROLLOUT}.name={rollout.name}": rollout.name != "hf", f"{ROLLOUT}.multi_turn.enable=true": rollout.multi_turn.enable,
+               f"{ROLLOUT}.beam_search=true": rollout.beam_search, f"{ROLLOUT}.catalog_file": bool(rollout.catalog_file),
+               "trainer.v1.sampler.max_off_policy_strategy=wait": trainer.v1.sampler.max_off_policy_strategy == "wait"}
+    if names := [name for name, taken in refused.items() if taken]:
+        raise ConfigError(f"{key} with {', '.join(names)} is not built yet: the responses in flight are the hf engine's one-turn samples, "
+                          "and a group that lags too far is dropped (max_off_policy_strategy=drop)")
+
+
 def check_layout(config: GRPOConfig, world: World, derived: Derived) -> None:
     """Sizes that depend on the number of (training) ranks."""
     data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
@@ -533,6 +556,7 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: check_add_gt(config, derived),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
         lambda: check_separate_async(config, world),
+        lambda: check_colocate_async(config),
         lambda: check_layout(config, training_world(config, world), derived),
         *([lambda: check_packages(run_packages(config, derived.engine))] if world.here else []),
     ]
@@ -667,6 +691,8 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         interactions_file=multi_turn.interaction_config_path if multi_turn.enable else None,
         separate=(SeparateRollout(rollout_ranks(config), trainer.v1.separate_async.num_warmup_batches, trainer.v1.sampler.max_off_policy_threshold)
                   if rollout_ranks(config) else None),
+        colocate=(ColocatedAsync(trainer.v1.colocate_async.num_warmup_batches, trainer.v1.sampler.max_off_policy_threshold)
+                  if trainer.mode == "colocate_async" else None),
     )
 
 

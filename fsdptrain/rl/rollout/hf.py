@@ -98,20 +98,36 @@ class WeightsRefresh:
     version: int  # the weights' version now
 
 
+@dataclass
+class Decoded:
+    """Each row's tokens, their log-probs and the versions that drew them, each (rows, width), valid through the
+    row's `drawn` count (pad after it), and the rows that were still going when decoding stopped early."""
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    versions: torch.Tensor
+    drawn: torch.Tensor
+    unfinished: list[int]
+
+
 @torch.no_grad()
 def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool,
            tree: dict[tuple[int, ...], list[int]] | None = None, temperature: float = 1.0,
-           refresh: WeightsRefresh | None = None, prompts: Sequence[list[int]] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, log-probs, versions), each (rows, max_new_tokens), decoded from each row's next-token `logits` after
-    its left-padded prompt (`prompts`, one a row, with `refresh`), whose keys and values `cache` holds; with a
-    catalog's prefix `tree`, every response is one of its items. A row ends at its first end token (pad after it);
-    only the rows still going are forwarded, their cache entries selected as the others end. With `refresh`,
-    newer weights are taken between two tokens (versions: the one that drew each token; else all 0)."""
+           refresh: WeightsRefresh | None = None, prompts: Sequence[list[int]] = (), budgets: torch.Tensor | None = None,
+           enough: Callable[[list[int]], bool] | None = None) -> Decoded:
+    """Responses decoded from each row's next-token `logits` after its left-padded prompt (`prompts`, one a row,
+    with `refresh`), whose keys and values `cache` holds; with a catalog's prefix `tree`, every response is one of
+    its items. A row ends at its first end token or after its budget of tokens (`budgets`, a row's; else
+    max_new_tokens each); only the rows still going are forwarded, their cache entries selected as the others end.
+    With `refresh`, newer weights are taken between two tokens (versions: the one that drew each token; else all
+    0). `enough(rows still going)` may stop decoding after any token (colocate_async's pool)."""
     rows, device = logits.shape[0], logits.device
     tokens = torch.full((rows, max_new_tokens), pad_id, device=device)
     log_probs = torch.zeros(rows, max_new_tokens, device=device)
     versions = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
+    drawn = torch.zeros(rows, dtype=torch.long, device=device)
+    budgets = torch.full((rows,), max_new_tokens, device=device) if budgets is None else budgets.to(device)
     live = torch.arange(rows, device=device)
     ends = torch.tensor(end_ids, device=device)
     positions = attention_mask.sum(-1)  # the next token's position: the row's count of real tokens
@@ -122,15 +138,19 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
         else:
             chosen, chosen_log_probs = constrained_draw(logits.float(), tokens[live, :step], tree, end_ids, warp, do_sample, temperature)
         tokens[live, step], log_probs[live, step] = chosen, chosen_log_probs
+        drawn[live] += 1
         if refresh is not None:
             versions[live, step] = refresh.version
-        going = ~torch.isin(chosen, ends)
+        going = ~torch.isin(chosen, ends) & (budgets[live] > step + 1)
         if step == max_new_tokens - 1 or not going.any():
+            live = live[:0]
             break
         if not going.all():
             keep = going.nonzero().squeeze(1)
             live, chosen, attention_mask, positions = live[keep], chosen[keep], attention_mask[keep], positions[keep]
             cache.batch_select_indices(keep)
+        if enough is not None and enough(live.tolist()):
+            break
         if refresh is not None and (version := refresh.load()) is not None:  # the live rows so far, prefilled under the new weights
             refresh.version = version
             cache, logits, attention_mask = prefill(model, [list(prompts[row]) + tokens[row, : step + 1].tolist() for row in live.tolist()], pad_id)
@@ -140,7 +160,7 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
         logits = model(input_ids=chosen[:, None], attention_mask=attention_mask, position_ids=positions[:, None], use_cache=True,
                        **{keyword: cache}).logits[:, -1]
         positions = positions + 1
-    return tokens, log_probs, versions
+    return Decoded(tokens, log_probs, versions, drawn, live.tolist())
 
 
 def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
@@ -173,14 +193,13 @@ def generate(
         cache, logits, attention_mask = prefill(model, distinct, pad_id)
         cache.batch_repeat_interleave(copies)
         batch = [ids for ids in distinct for _ in range(copies)]
-        tokens, log_probs, versions = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0),
-                                             max_new_tokens, end_ids, pad_id, warp, do_sample, tree, temperature, refresh, batch)
-        for row, ids in enumerate(tokens.tolist()):
-            end = next((i for i, token in enumerate(ids) if token in end_ids), None)
-            kept = len(ids) if end is None else end + 1
-            sampled = log_probs[row, :kept].tolist() if calculate_log_probs else None
-            drawn_by = versions[row, :kept].tolist() if refresh is not None else None
-            generations.append(Generation(batch[row], ids[:kept], [1] * kept, sampled, end is None, versions=drawn_by))
+        decoded = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0), max_new_tokens,
+                         end_ids, pad_id, warp, do_sample, tree, temperature, refresh, batch)
+        for row, kept in enumerate(decoded.drawn.tolist()):
+            ids = decoded.tokens[row, :kept].tolist()
+            sampled = decoded.log_probs[row, :kept].tolist() if calculate_log_probs else None
+            drawn_by = decoded.versions[row, :kept].tolist() if refresh is not None else None
+            generations.append(Generation(batch[row], ids, [1] * kept, sampled, ids[-1] not in end_ids, versions=drawn_by))
     return generations
 
 

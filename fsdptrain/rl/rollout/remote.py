@@ -30,6 +30,7 @@ from torch import nn
 
 from fsdptrain.distributed.launcher import fault_point
 from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.roll_call import run_store
 from fsdptrain.models.lora import merged_weights
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rollout.base import Generation, RolloutEngine
@@ -37,6 +38,7 @@ from fsdptrain.rl.rollout.hf import WeightsRefresh
 
 HEADER, BODY, WEIGHTS = 101, 102, 103
 LOOK_EVERY_S = 0.02  # how often a decoding rollout rank looks for newer weights
+STORE_TIMEOUT_S = 300.0  # the announcements' store: a read that waits this long means the store's host is gone
 
 
 @dataclass
@@ -121,11 +123,6 @@ class Stopped:
 ANNOUNCED = f"fsdptrain/weights_version/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # the latest version rank 0 has sent
 
 
-def announcements() -> dist.Store:
-    """The run's key-value store (the one its process group started from), where rank 0 announces each version."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False)
-
-
 def rollout_rank_of(rank: int, parallel: Parallel) -> int:
     """The rollout rank that serves training rank `rank`."""
     return parallel.world_size + rank % parallel.rollout_ranks
@@ -158,9 +155,9 @@ class RemoteRollout:
         `upcoming(i)`: batch i's prompts and seed, `steps_ahead(i)`: how many steps after the current one batch i
         is expected to be trained (its lag bound counts from that step's version)."""
         for ahead in range(index, index + self.lead + 1):
-            oldest = self.oldest_version(steps_ahead(ahead))
             if ahead in self.requested or (ahead != index and self.version + 1 + steps_ahead(ahead) > self.total_steps):
                 continue
+            oldest = self.oldest_version(steps_ahead(ahead))
             prompts, seed = upcoming(ahead)
             send_object(GenerateRequest(ahead, prompts, request, seed, oldest), self.server, self.sends)
             self.requested[ahead] = oldest
@@ -204,19 +201,19 @@ class RemoteRollout:
                    for name, tensor in merged_weights(model, dtype, bucket_bytes=bucket_bytes)]
         if not parallel.is_main:
             return
-        for server in range(parallel.world_size, parallel.world_size + parallel.rollout_ranks):
+        for server in parallel.standalone_rollout_ranks:
             send_object(WeightsFollow(version, len(weights)), server, self.sends)
             for name, tensor in weights:
                 send_object(TensorFollows(name, tuple(tensor.shape), tensor.dtype), server, self.sends)
                 self.sends.add(tensor, server, WEIGHTS)
-        self.store = self.store or announcements()
+        self.store = self.store or run_store(STORE_TIMEOUT_S)
         self.store.set(ANNOUNCED, str(version))  # after the sends are queued: a rank that reads it finds them coming
 
     def stop(self) -> None:
         """Say that this rank asks no more (rank 0: to every rollout rank, which its weights reach): each drops
         what it has not answered and says so; the answers sent before are read and left."""
         parallel = self.parallel
-        servers = range(parallel.world_size, parallel.world_size + parallel.rollout_ranks) if parallel.is_main else [self.server]
+        servers = parallel.standalone_rollout_ranks if parallel.is_main else [self.server]
         for server in servers:
             send_object(Stop(), server, self.sends)
         for server in servers:
@@ -252,7 +249,7 @@ class RolloutServer:
     sends: Sends = field(default_factory=Sends)
     idle: float = 0.0  # seconds waiting since the last answer
     looked: float = 0.0  # when it last looked for an announcement
-    store: dist.Store = field(default_factory=lambda: announcements())
+    store: dist.Store = field(default_factory=lambda: run_store(STORE_TIMEOUT_S))
 
     def serve(self) -> None:
         parallel = self.parallel
