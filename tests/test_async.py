@@ -332,3 +332,24 @@ def test_colocate_async_keeps_responses_in_flight_within_the_lag_bound_and_survi
     assert any(len(set(r["token_versions"])) > 1 for dump in rows.values() for r in dump)
     assert max(lags.values()) == 1
     assert {m["step"]: m["async/staleness/max"] for m in read_metrics(out)} == lags
+
+
+def test_the_scaling_model_predicts_the_three_modes_from_per_token_costs():
+    """scripts/scaling_model.py --rl: sync decodes until each GPU's longest response ends; colocate_async about the
+    short responses' length, over more sequences held; separate_async is the slower side at its best split; with
+    no long tail and nothing ahead, colocate_async is the sync mode."""
+    import argparse
+
+    from scaling_model import rl_steps
+
+    args = argparse.Namespace(gpus_per_node=8, prompts=256, responses=8, short_tokens=256, long_every=10, long_factor=8.0, decode_step_ms=20.0,
+                              decode_seq_us=15.0, train_token_us=25.0, lead=1)
+    modes = rl_steps(args)
+    tokens = 2048 * (256 * 0.9 + 2048 * 0.1)
+    assert modes["sync"]["gen_s"] == pytest.approx(2048 * (0.020 + 15e-6 * 256)) and modes["sync"]["train_s"] == pytest.approx(tokens * 25e-6 / 8)
+    held = 256 * (2 + 7 / 10)
+    assert modes["colocate_async"]["gen_s"] == pytest.approx(256 * (0.020 + 15e-6 * held))
+    separate = modes["separate_async"]
+    assert separate["step_s"] == max(separate["gen_s"], separate["train_s"]) and separate["step_s"] <= modes["sync"]["step_s"]
+    flat = rl_steps(argparse.Namespace(**{**vars(args), "long_every": 1, "long_factor": 1.0, "lead": 0}))
+    assert flat["colocate_async"]["step_s"] == pytest.approx(flat["sync"]["step_s"])
