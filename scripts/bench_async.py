@@ -4,7 +4,7 @@ generating then training (sync), against half of them training while the other h
 responses kept in flight across steps (colocate_async), on prompts whose answers have long-tailed lengths.
 
     python scripts/bench_async.py --model runs/quickstart/smollm2 [--steps 6] [--prompts 8] [--responses 4]
-        [--max-new-tokens 192] [--long-every 10] [--nproc 2] [--lead 1] [--lag 1] [--bf16] [--json out.json]
+        [--max-new-tokens 192] [--long-every 10] [--nproc 2] [--lead 1] [--lag 8] [--bf16] [--json out.json]
 
 The prompts: make_arithmetic_data.py's addition problems, answered in a few tokens, with every `--long-every`-th one
 asking instead for a count that runs to the response limit (`--max-new-tokens`), so that one prompt in ten holds its
@@ -15,7 +15,8 @@ of them and generates on the other half, `--lead` batches asked for ahead; coloc
 flight ahead of the step's; in both each trained group is at most `--lag` versions behind the policy. Figures are
 means over steps 2..N (step 1 starts up): the step's time and samples (prompts x responses) a second, the time
 spent generating (sync, colocate_async) or waiting for generations (separate_async's training ranks), the time
-the rollout ranks wait for requests or weights, and the groups left in flight after a step (colocate_async).
+the rollout ranks wait for requests or weights, and the groups left in flight after a step and those dropped for
+lagging more than `--lag` over the run (colocate_async).
 """
 
 import argparse
@@ -78,6 +79,7 @@ def run(mode: str, data: str, args) -> dict:
             "gen_s": mean("timing_s/gen"), "update_s": mean("timing_s/update_actor"), "trainer_wait_s": mean("async/trainer_wait_s"),
             "rollout_idle_s": mean("async/rollout_idle_s"), "lag_max": max(m.get("async/staleness/max", 0.0) for m in metrics),
             "partial_responses": mean("async/partial_responses"), "in_flight_groups": mean("async/in_flight_groups"),
+            "dropped_groups": sum(m.get("async/dropped_groups", 0.0) for m in logged),
             "lengths": {"p50": statistics.median(lengths), "p90": sorted(lengths)[int(0.9 * (len(lengths) - 1))], "max": max(lengths)},
             "max_proc_rss_gb": memory["max_proc_rss_gb"]}
 
@@ -85,13 +87,13 @@ def run(mode: str, data: str, args) -> dict:
 def table(results: dict, nproc: int) -> str:
     sync = results["sync"]["samples_per_s"]
     lines = ["| mode | processes | step s | samples/s | vs sync | generation s (sync) / waiting for it (async) | update s "
-             "| rollout ranks idle s | groups in flight | lag max | responses drawn by 2+ versions | length p50 / p90 / max | peak GB/process |",
+             "| rollout ranks idle s | groups in flight / dropped | lag max | responses drawn by 2+ versions | length p50 / p90 / max | peak GB/process |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
         processes = f"{nproc // 2} train + {nproc // 2} generate" if mode == "separate_async" else f"{nproc} train and generate"
         lengths = r["lengths"]
         lines.append(f"| {mode} | {processes} | {r['step_s']:.2f} | {r['samples_per_s']:.2f} | {r['samples_per_s'] / sync:.2f}x | {r['gen_s']:.2f} "
-                     f"| {r['update_s']:.2f} | {r['rollout_idle_s']:.2f} | {r['in_flight_groups']:.1f} | {r['lag_max']:.0f} | {r['partial_responses']:.0%} "
+                     f"| {r['update_s']:.2f} | {r['rollout_idle_s']:.2f} | {r['in_flight_groups']:.1f} / {r['dropped_groups']:.0f} | {r['lag_max']:.0f} | {r['partial_responses']:.0%} "
                      f"| {lengths['p50']:.0f} / {lengths['p90']:.0f} / {lengths['max']} | {r['max_proc_rss_gb']:.2f} |")
     return "\n".join(lines)
 
@@ -106,7 +108,7 @@ def main() -> None:
     parser.add_argument("--long-every", type=int, default=10, help="every this many-th prompt asks for a long answer")
     parser.add_argument("--nproc", type=int, default=2, help="processes: separate_async trains on half, generates on the other half")
     parser.add_argument("--lead", type=int, default=1, help="batches asked for ahead (separate_async) or in flight ahead (colocate_async): num_warmup_batches")
-    parser.add_argument("--lag", type=int, default=1, help="max_off_policy_threshold")
+    parser.add_argument("--lag", type=int, default=8, help="max_off_policy_threshold (verl's 8: a long response in flight goes on over several steps)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--work", default="/tmp/bench_async")
     parser.add_argument("--json")
