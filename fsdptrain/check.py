@@ -49,20 +49,20 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
     inputs = read_grpo_inputs(*resolve_grpo(read_grpo_config(composed("grpo_trainer", overrides), problems, world), world))
     plan, data = inputs.plan, inputs.plan.data
     n = plan.request.n
-    trainers = world.world_size - (plan.separate.ranks if plan.separate else 0)
+    trainers = world.world_size - plan.rollout_ranks
     dp = trainers // plan.sp_size
     per_rank = data.train_batch_size // dp
     placement = []
-    if plan.separate is not None:
-        servers = plan.separate.ranks
-        lag = "unbounded" if plan.separate.max_lag is None else f"at most {plan.separate.max_lag} version(s)"
-        placement = [f"placement (separate_async): ranks 0-{trainers - 1} train, ranks {trainers}-{trainers + servers - 1} generate "
-                     f"({trainers // servers} training rank(s) each); {plan.separate.lead} batch(es) asked for ahead, a trained group's lag "
-                     f"{lag}"]
-    elif plan.colocate is not None:
-        lag = "unbounded" if plan.colocate.max_lag is None else f"at most {plan.colocate.max_lag} version(s), a staler one dropped"
-        placement = [f"placement (colocate_async): every rank generates and trains; its unfinished responses stay in flight across steps, "
-                     f"{plan.colocate.lead} batch(es) in flight ahead, a trained group's lag {lag}"]
+    if (asynchronous := plan.asynchronous) is not None:
+        servers = asynchronous.rollout_ranks
+        lag = "unbounded" if asynchronous.max_lag is None else f"at most {asynchronous.max_lag} version(s)"
+        if servers:
+            placement = [f"placement (separate_async): ranks 0-{trainers - 1} train, ranks {trainers}-{trainers + servers - 1} generate "
+                         f"({trainers // servers} training rank(s) each); {asynchronous.lead} batch(es) asked for ahead, a trained group's lag {lag}"]
+        else:
+            placement = [f"placement (colocate_async): every rank generates and trains; its unfinished responses stay in flight across steps, "
+                         f"{asynchronous.lead} batch(es) in flight ahead, a trained group's lag {lag}"
+                         + (", a staler one dropped" if asynchronous.max_lag is not None else "")]
     return [
         processes(world, plan.sp_size, trainers),
         *placement,

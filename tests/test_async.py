@@ -61,8 +61,9 @@ def test_impossible_splits_and_what_is_not_built_are_refused_before_any_process_
     assert "1 rollout ranks (actor_rollout_ref.rollout.nnodes x n_gpus_per_node) leave none of the 1 processes" in problems(1, *pool, *fits)
     assert "the 2 rollout ranks must divide the 3 training ranks" in problems(5, "actor_rollout_ref.rollout.nnodes=1",
                                                                               "actor_rollout_ref.rollout.n_gpus_per_node=2", *fits)
-    assert "actor_rollout_ref.rollout.name=vllm: the standalone rollout ranks run the hf engine" in problems(
-        2, *pool, *fits, "actor_rollout_ref.rollout.name=vllm")
+    assert "tensor_model_parallel_size=2: each standalone rollout rank runs an engine of its own" in problems(
+        3, *pool, *fits, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    assert problems(2, *pool, *fits, "actor_rollout_ref.rollout.name=vllm") == ""
     assert "hybrid sharding (actor_rollout_ref.actor.fsdp_config.fsdp_size=2) is not built yet" in problems(
         5, *pool, *fits, "actor_rollout_ref.actor.fsdp_config.fsdp_size=2")
     colocate = ["trainer.v1.trainer_mode=colocate_async"]
@@ -187,6 +188,33 @@ def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks
     assert max(lags.values()) == 2 and min(lags.values()) >= 0
     logged = {m["step"]: m["async/staleness/max"] for m in read_metrics(out)}
     assert logged == lags
+
+
+def test_a_vllm_rollout_rank_samples_the_weights_sent_and_survives_its_loss(tmp_path, rl_data, tokenizer):
+    """separate_async with vLLM on the rollout rank (its engine in a process of its own: rl/rollout/engine_process.py),
+    1 + 1 at a lag of 0, a large learning rate, under torchrun --max-restarts=1 with the rollout rank killed as it
+    starts step 2's batch: the run finishes, each batch of the epoch trained once by its own step, and every step's
+    responses were sampled from the weights that train on them (the ratios of vLLM's sampling probabilities to the
+    trainer's old ones within 1e-4 of 1, after updates that move them by far more)."""
+    pytest.importorskip("vllm")
+    from conftest import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "vllm_llama", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                            num_key_value_heads=1)  # 64-wide heads: vLLM's CPU attention has no kernel for narrower ones
+    args = grpo_args(model, rl_data, "unused", data__val_files="null", trainer__total_training_steps=3, trainer__save_freq=1,
+                     trainer__checkpoint__save_contents="[model,optimizer,extra]", trainer__rollout_data_dir=f"{tmp_path}/restarted/rollouts",
+                     actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
+                     actor_rollout_ref__actor__optim__lr="1e-2", algorithm__rollout_correction__rollout_is="token",
+                     actor_rollout_ref__rollout__n_gpus_per_node=1, trainer__v1__separate_async__parameter_sync_step=1,
+                     trainer__v1__sampler__max_off_policy_threshold=0, trainer__v1__sampler__max_off_policy_strategy="wait", **SEPARATE)
+    out = restarted_run(tmp_path, "fsdptrain.grpo_trainer", [a for a in args if not a.startswith("trainer.default_local_dir=")], ["rollout@2:1"])
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["actor/grad_norm"] > 0.1
+    for m in metrics:  # the probabilities themselves are tiny (a random model over the tokenizer's 49,152 rows): their ratios
+        assert 1 - 1e-4 < m["rollout_corr/rollout_is_min"] <= m["rollout_corr/rollout_is_max"] < 1 + 1e-4
+    rows = dumped(out)
+    assert {step: {(r["batch"], r["policy_version"]) for r in dump} for step, dump in rows.items()} == {s: {(s - 1, s - 1)} for s in (1, 2, 3)}
 
 
 def test_the_check_says_which_ranks_train_and_which_generate(capsys, tiny_llama, rl_data):

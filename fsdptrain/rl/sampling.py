@@ -200,22 +200,23 @@ class GroupSampler:
     def draw(self) -> list[Group]:
         parallel, cursor, request = self.parallel, self.cursor, self.request
         number = cursor.batches
-        prompts = self.batch_prompts(number)
         cursor.batches += 1
-        batches, versions = [number] * len(prompts), [None] * len(prompts)
-        if self.pool is not None:
+        if self.remote is None:
             torch.manual_seed(self.batch_seed(number))
+        if self.pool is not None:
             in_flight, dropped = self.pool.take(number, request)
             self.dropped += dropped
             prompts, batches, versions = [g.prompt for g in in_flight], [g.batch for g in in_flight], [g.oldest_version for g in in_flight]
             generations = [r for g in in_flight for r in g.generations(self.pool.engine.end_ids, request.calculate_log_probs)]
-        elif self.remote is None:
-            torch.manual_seed(self.batch_seed(number))
-            generations = self.answer(prompts, request)
         else:
-            result = self.remote.batch(number, lambda ahead: (self.batch_prompts(ahead), self.batch_seed(ahead)), request,
-                                       lambda ahead: ahead - self.step_start)
-            generations, versions = result.generations, [result.version] * len(prompts)
+            prompts = self.batch_prompts(number)
+            batches = [number] * len(prompts)
+            if self.remote is None:
+                generations, versions = self.answer(prompts, request), [None] * len(prompts)
+            else:
+                result = self.remote.batch(number, lambda ahead: (self.batch_prompts(ahead), self.batch_seed(ahead)), request,
+                                           lambda ahead: ahead - self.step_start)
+                generations, versions = result.generations, [result.version] * len(prompts)
         if self.answer_ids is not None:
             generations = with_answers(generations, prompts, request.n, self.answer_ids)
         ids, scored = group_ids(len(prompts), request.n), []

@@ -54,7 +54,8 @@ from fsdptrain.rl.rewards import (
     weighted_sources,
 )
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
-from fsdptrain.rl.rollout.base import Generation, RolloutEngine
+from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, Generation, RolloutEngine
+from fsdptrain.rl.rollout.engine_process import EngineProcess
 from fsdptrain.rl.rollout.in_flight import ResponsePool
 from fsdptrain.rl.rollout.remote import RemoteRollout, RolloutServer
 from fsdptrain.rl.rollout_correction import rollout_agreement
@@ -278,7 +279,7 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     inputs = read_grpo_inputs(plan, tokenizer)
     tokenizer, hf_config, train, val, total_steps, trainer = (inputs.tokenizer, inputs.hf_config, inputs.train, inputs.val, inputs.total_steps,
                                                               plan.trainer)
-    parallel = start_run(trainer, plan.sp_size, plan.nccl_timeout, plan.separate.ranks if plan.separate else 0)
+    parallel = start_run(trainer, plan.sp_size, plan.nccl_timeout, plan.rollout_ranks)
     if parallel.generates_only:
         serve_as_rollout_rank(plan, inputs, parallel)
         return
@@ -286,7 +287,8 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     kl_ctrl = build_kl_controller(plan.kl_control)
     shaping = RewardShaping(plan.shaping, RunningMoments())
     cursor = PromptCursor()
-    pool = ResponsePool(parallel, plan.request.n, plan.colocate.lead, plan.colocate.max_lag) if plan.colocate is not None else None
+    pool = (ResponsePool(parallel, plan.request.n, plan.asynchronous.lead, plan.asynchronous.max_lag)
+            if plan.asynchronous is not None and not plan.rollout_ranks else None)
     critic = build_critic(plan, parallel, total_steps, inputs.critic_config) if plan.critic is not None else None
     states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {}), **({"in_flight": pool} if pool is not None else {})}
     if critic is not None:
@@ -335,7 +337,8 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
 def serve_as_rollout_rank(plan: GRPOPlan, inputs: GRPOInputs, parallel: Parallel) -> None:
     """A standalone rollout rank's run (separate_async): the agent loops on an engine of its own, always awake,
     answering its training ranks until they stop (rl/rollout/remote.py)."""
-    engine = build_rollout(plan.engine_name, replace(plan.engine, free_cache_engine=False))
+    spec = replace(plan.engine, free_cache_engine=False)
+    engine = EngineProcess(plan.engine_name, spec) if ROLLOUT_ENGINES.info[plan.engine_name].own_world else build_rollout(plan.engine_name, spec)
     for loop in inputs.loops.values():
         loop.engine = engine
     RolloutServer(engine, local_answers(engine, inputs.loops), parallel).serve()
@@ -499,14 +502,14 @@ def build_step(plan: GRPOPlan, run: Run, reference: nn.Module | None, train: lis
         critic_fsdp = plan.critic_model.fsdp
         critic_offload = PhaseOffload(critic.model, critic.optimizer, critic_fsdp.param_offload, critic_fsdp.optimizer_offload)
     engine, remote = None, None
-    if plan.separate is None:
+    if not plan.rollout_ranks:
         engine = build_rollout(plan.engine_name, plan.engine)
     else:
-        remote = RemoteRollout(parallel, plan.separate.lead, plan.separate.max_lag, run.total_steps)
+        remote = RemoteRollout(parallel, plan.asynchronous.lead, plan.asynchronous.max_lag, run.total_steps)
     sampler = GroupSampler(train, plan.data.train_batch_size, plan.data.shuffle, trainer.seed,
                            engine_index(parallel.rank, plan.engine.tensor_parallel_size), plan.request, scorer, parallel, plan.filter_metric,
                            plan.max_gen_batches, cursor, score_later=plan.score_later, answer=remote.answer if remote else None, remote=remote,
                            answer_ids=answer_encoder(scorer.tokenizer) if plan.add_ground_truth else None, pool=pool)
     if pool is not None:
-        pool.engine, pool.share = engine, sampler.batch_prompts
+        pool.bind(engine, sampler.batch_prompts)
     return GRPOStep(plan, policy, reference, engine, sampler, critic, kl_ctrl, shaping, actor_offload, reference_offload, critic_offload)

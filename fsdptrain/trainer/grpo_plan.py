@@ -94,21 +94,13 @@ class RewardPlan:
 
 
 @dataclass(frozen=True)
-class SeparateRollout:
-    """trainer.v1.trainer_mode=separate_async: torchrun's last `ranks` processes generate, the others train
-    (rl/rollout/remote.py)."""
+class AsyncRollout:
+    """verl 0.9's asynchronous trainers: separate_async generates on torchrun's last `rollout_ranks` processes and
+    trains on the others (rl/rollout/remote.py); colocate_async (no rollout ranks) generates and trains on every
+    rank, its unfinished responses in flight across steps (rl/rollout/in_flight.py)."""
 
-    ranks: int
-    lead: int  # prompt batches asked for ahead of the one trained (num_warmup_batches)
-    max_lag: int | None  # the most versions a trained group may lag the policy that trains on it (max_off_policy_threshold)
-
-
-@dataclass(frozen=True)
-class ColocatedAsync:
-    """trainer.v1.trainer_mode=colocate_async: every rank generates and trains, and keeps its unfinished responses
-    in flight across steps (rl/rollout/in_flight.py)."""
-
-    lead: int  # prompt batches in flight ahead of the one a step draws (num_warmup_batches)
+    rollout_ranks: int
+    lead: int  # prompt batches in flight ahead of the one a step trains (num_warmup_batches)
     max_lag: int | None  # the most versions a trained group may lag the policy that trains on it (max_off_policy_threshold)
 
 
@@ -162,8 +154,12 @@ class GRPOPlan:
     multi_turn: MultiTurnSettings | None
     default_agent_loop: str  # for rows without `agent_name`
     overlong: OverlongBuffer | None
-    separate: SeparateRollout | None  # standalone rollout ranks (separate_async); None: every rank generates, then trains
-    colocate: ColocatedAsync | None = None  # colocate_async's responses in flight
+    asynchronous: AsyncRollout | None  # None: the sync mode, every rank generates, then trains
+
+    @property
+    def rollout_ranks(self) -> int:
+        """separate_async's standalone rollout ranks; 0: every rank generates."""
+        return self.asynchronous.rollout_ranks if self.asynchronous is not None else 0
 
 
 def batching(config: GRPOConfig, size: int, size_key: str, dynamic: bool | None, max_tokens: int | None, max_tokens_key: str, packed: bool,
@@ -430,7 +426,9 @@ def rollout_engine_settings(config: GRPOConfig, world: World, info: EngineInfo |
     rollout = config.actor_rollout_ref.rollout
     if info is None:  # check_names' to report
         return None
-    placement = EnginePlacement(world.device, max(world.host_processes // rollout.tensor_model_parallel_size, 1))
+    # separate_async's engines are on its rollout ranks alone, n_gpus_per_node of them a host
+    engines = rollout.n_gpus_per_node if rollout_ranks(config) else world.host_processes // rollout.tensor_model_parallel_size
+    placement = EnginePlacement(world.device, max(engines, 1))
     return info.check(engine_settings(info, vars(rollout)), placement)
 
 
@@ -447,6 +445,14 @@ def rollout_ranks(config: GRPOConfig) -> int:
     if config.trainer.mode != "separate_async" or rollout.nnodes <= 0 or not rollout.n_gpus_per_node:
         return 0
     return rollout.nnodes * rollout.n_gpus_per_node
+
+
+def asynchronous_rollout(config: GRPOConfig) -> AsyncRollout | None:
+    trainer = config.trainer
+    if trainer.mode == "sync":
+        return None
+    section = trainer.v1.separate_async if trainer.mode == "separate_async" else trainer.v1.colocate_async
+    return AsyncRollout(rollout_ranks(config), section.num_warmup_batches, trainer.v1.sampler.max_off_policy_threshold)
 
 
 def training_world(config: GRPOConfig, world: World) -> World:
@@ -478,9 +484,9 @@ def check_separate_async(config: GRPOConfig, world: World) -> None:
         raise ConfigError(f"{key}: the weights go to the rollout ranks once a step, after its parameter_sync_step updates, so "
                           f"data.train_batch_size ({batch}) must equal trainer.v1.separate_async.parameter_sync_step ({sync_step}) x "
                           f"{ACTOR}.ppo_mini_batch_size ({mini}) (verl's rule)")
-    if rollout.name != "hf":
-        raise ConfigError(f"{key} with {ROLLOUT}.name={rollout.name}: the standalone rollout ranks run the hf engine; vLLM there is "
-                          "not built yet")
+    if rollout.tensor_model_parallel_size != 1:
+        raise ConfigError(f"{key} with {ROLLOUT}.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: each standalone "
+                          "rollout rank runs an engine of its own (tensor parallelism across rollout ranks is not built); set it to 1")
     sizes = {f"{ACTOR}.fsdp_config.fsdp_size": config.actor_rollout_ref.actor.fsdp_config.fsdp_size,
              "actor_rollout_ref.ref.fsdp_config.fsdp_size": config.actor_rollout_ref.ref.fsdp_config.fsdp_size,
              f"{CRITIC}.model.fsdp_config.fsdp_size": config.critic.model.fsdp_config.fsdp_size,
@@ -689,10 +695,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                                 algorithm.reward_clip),
         tools_file=multi_turn.tool_config_path if multi_turn.enable else None,
         interactions_file=multi_turn.interaction_config_path if multi_turn.enable else None,
-        separate=(SeparateRollout(rollout_ranks(config), trainer.v1.separate_async.num_warmup_batches, trainer.v1.sampler.max_off_policy_threshold)
-                  if rollout_ranks(config) else None),
-        colocate=(ColocatedAsync(trainer.v1.colocate_async.num_warmup_batches, trainer.v1.sampler.max_off_policy_threshold)
-                  if trainer.mode == "colocate_async" else None),
+        asynchronous=asynchronous_rollout(config),
     )
 
 

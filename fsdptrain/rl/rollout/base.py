@@ -157,6 +157,7 @@ class EngineInfo:
     constrained: bool = False  # restricts responses to a catalog's items (settings.catalog_file)
     always_logs_probs: bool = False  # returns its sampling log-probs on every call: the plan compares them with the trainer's
     package: str | None = None  # the optional package it imports (config.base.PACKAGES), checked before any work
+    own_world: bool = False  # builds itself over its process's torch.distributed world: a standalone rollout rank runs it in a process of its own
 
 
 def engine_settings(info: EngineInfo, values: Mapping[str, Any]) -> Any:

@@ -115,13 +115,14 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
            end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool,
            tree: dict[tuple[int, ...], list[int]] | None = None, temperature: float = 1.0,
            refresh: WeightsRefresh | None = None, prompts: Sequence[list[int]] = (), budgets: torch.Tensor | None = None,
-           enough: Callable[[list[int]], bool] | None = None) -> Decoded:
+           enough: Callable[[list[int]], bool] | None = None, version: int = 0) -> Decoded:
     """Responses decoded from each row's next-token `logits` after its left-padded prompt (`prompts`, one a row,
     with `refresh`), whose keys and values `cache` holds; with a catalog's prefix `tree`, every response is one of
     its items. A row ends at its first end token or after its budget of tokens (`budgets`, a row's; else
     max_new_tokens each); only the rows still going are forwarded, their cache entries selected as the others end.
-    With `refresh`, newer weights are taken between two tokens (versions: the one that drew each token; else all
-    0). `enough(rows still going)` may stop decoding after any token (colocate_async's pool)."""
+    Each token is tagged with the policy version that drew it: `version`, or with `refresh` the weights' version
+    then, newer weights being taken between two tokens. `enough(rows still going)` may stop decoding after any
+    token (colocate_async's pool)."""
     rows, device = logits.shape[0], logits.device
     tokens = torch.full((rows, max_new_tokens), pad_id, device=device)
     log_probs = torch.zeros(rows, max_new_tokens, device=device)
@@ -132,6 +133,7 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
     ends = torch.tensor(end_ids, device=device)
     positions = attention_mask.sum(-1)  # the next token's position: the row's count of real tokens
     keyword = cache_keyword(model)
+    version = refresh.version if refresh is not None else version
     for step in range(max_new_tokens):
         if tree is None:
             chosen, chosen_log_probs = draw(warp(None, logits.float()), do_sample)
@@ -139,8 +141,7 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
             chosen, chosen_log_probs = constrained_draw(logits.float(), tokens[live, :step], tree, end_ids, warp, do_sample, temperature)
         tokens[live, step], log_probs[live, step] = chosen, chosen_log_probs
         drawn[live] += 1
-        if refresh is not None:
-            versions[live, step] = refresh.version
+        versions[live, step] = version
         going = ~torch.isin(chosen, ends) & (budgets[live] > step + 1)
         if step == max_new_tokens - 1 or not going.any():
             live = live[:0]
@@ -151,8 +152,8 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
             cache.batch_select_indices(keep)
         if enough is not None and enough(live.tolist()):
             break
-        if refresh is not None and (version := refresh.load()) is not None:  # the live rows so far, prefilled under the new weights
-            refresh.version = version
+        if refresh is not None and (newer := refresh.load()) is not None:  # the live rows so far, prefilled under the new weights
+            version = refresh.version = newer
             cache, logits, attention_mask = prefill(model, [list(prompts[row]) + tokens[row, : step + 1].tolist() for row in live.tolist()], pad_id)
             positions = attention_mask.sum(-1)
             continue

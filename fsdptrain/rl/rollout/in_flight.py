@@ -24,7 +24,7 @@ from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.errors import ConfigError
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rollout.base import Generation
-from fsdptrain.rl.rollout.hf import HFRollout, WeightsRefresh, decode, prefill, warpers
+from fsdptrain.rl.rollout.hf import HFRollout, decode, prefill, warpers
 
 
 @dataclass
@@ -65,12 +65,17 @@ class ResponsePool:
     lead: int  # prompt batches in flight ahead of the one a step draws (num_warmup_batches)
     max_lag: int | None  # max_off_policy_threshold: versions a trained group may lag the policy; None: unbounded
     version: int = 0  # the policy version the engine holds: the number of updates in its weights
-    engine: HFRollout | None = None  # the engine and this rank's share of a prompt batch: set once the sampler is built
+    engine: HFRollout | None = None  # see bind
     share: Callable[[int], list[Prompt]] | None = None
     groups: list[InFlightGroup] = field(default_factory=list)
     added_through: int = -1  # the last prompt batch added
     taken: dict[int, set[int]] = field(default_factory=dict)
     restored: bool = False  # resumed from a checkpoint: its groups in flight are to be added again
+
+    def bind(self, engine: HFRollout, share: Callable[[int], list[Prompt]]) -> None:
+        """The engine that decodes and this rank's share of a prompt batch (`share(number)`), which exist only once
+        the run is built: the pool itself is made first, so that a checkpoint can restore it."""
+        self.engine, self.share = engine, share
 
     def top_up(self, through: int) -> None:
         """Add the prompt batches after the last one added, through batch `through` (after a resume, first the
@@ -117,7 +122,6 @@ class ResponsePool:
         """Decode the live responses, oldest first in batches of whole groups, until `count` groups are complete."""
         engine = self.engine
         warp = warpers(request.temperature, request.top_k, request.top_p) if request.do_sample else LogitsProcessorList()
-        refresh = WeightsRefresh(lambda: None, self.version)  # the weights change between steps only: this tags each token
         per_batch = max(1, request.batch_size // request.n) * min(request.n, request.batch_size)
         while sum(g.complete for g in self.groups) < count:
             rows = [(g, r) for g in self.groups for r in g.responses if not r.finished][:per_batch]
@@ -129,8 +133,8 @@ class ResponsePool:
             cache.batch_select_indices(index)
             budgets = torch.tensor([request.max_new_tokens - len(r.tokens) for _, r in rows])
             decoded = decode(engine.model, cache, logits[index], attention_mask[index], int(budgets.max()), engine.end_ids, engine.pad_id, warp,
-                             request.do_sample, temperature=request.temperature, refresh=refresh, prompts=[list(s) for s in sequences],
-                             budgets=budgets, enough=self.enough_when(rows, count))
+                             request.do_sample, temperature=request.temperature, budgets=budgets, enough=self.enough_when(rows, count),
+                             version=self.version)
             unfinished = set(decoded.unfinished)
             for row, ((_, response), drawn) in enumerate(zip(rows, decoded.drawn.tolist())):
                 response.tokens += decoded.tokens[row, :drawn].tolist()
@@ -143,10 +147,10 @@ class ResponsePool:
         fewer than half of a batch go on while other responses wait, which then join them (the live ones
         prefilled again with the newcomers: continuous batching, at the cost of a prefill per refill)."""
         complete = sum(g.complete for g in self.groups)
-        in_batch = {id(g) for g, _ in rows}
+        groups_in_batch, responses_in_batch = {id(g) for g, _ in rows}, {id(r) for _, r in rows}
         # the groups whose every unfinished response is decoded in this batch, by the batch's rows they wait for
         waiting = [[row for row, (group, _) in enumerate(rows) if group is g] for g in self.groups
-                   if id(g) in in_batch and all(any(r is response for _, response in rows) for r in g.responses if not r.finished)]
+                   if id(g) in groups_in_batch and all(id(r) in responses_in_batch for r in g.responses if not r.finished)]
         others_wait = sum(not r.finished for g in self.groups for r in g.responses) > len(rows)
         refill_below = len(rows) // 2 if others_wait else 0
 

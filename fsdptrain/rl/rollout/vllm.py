@@ -156,7 +156,7 @@ class VLLMRollout:
             self.asleep = False
 
 
-@ROLLOUT_ENGINES.register("vllm", info=EngineInfo(EngineSettings, checked_settings, always_logs_probs=True, package="vllm"))
+@ROLLOUT_ENGINES.register("vllm", info=EngineInfo(EngineSettings, checked_settings, always_logs_probs=True, package="vllm", own_world=True))
 def build_vllm_rollout(spec: EngineSpec) -> VLLMRollout:
     return VLLMRollout(spec.path, spec.dtype, spec.max_model_len, spec.seed, spec.settings, spec.distributed, trust_remote_code=spec.trust_remote_code,
                        tensor_parallel_size=spec.tensor_parallel_size, free_cache_engine=spec.free_cache_engine)
