@@ -67,8 +67,9 @@ def test_impossible_splits_and_what_is_not_built_are_refused_before_any_process_
     assert "hybrid sharding (actor_rollout_ref.actor.fsdp_config.fsdp_size=2) is not built yet" in problems(
         5, *pool, *fits, "actor_rollout_ref.actor.fsdp_config.fsdp_size=2")
     colocate = ["trainer.v1.trainer_mode=colocate_async"]
-    assert "colocate_async with actor_rollout_ref.rollout.multi_turn.enable=true, trainer.v1.sampler.max_off_policy_strategy=wait is not built" in (
-        problems(2, *colocate, "actor_rollout_ref.rollout.multi_turn.enable=true", "trainer.v1.sampler.max_off_policy_strategy=wait"))
+    assert "colocate_async with actor_rollout_ref.rollout.multi_turn.enable=true is not built" in (
+        problems(2, *colocate, "actor_rollout_ref.rollout.multi_turn.enable=true"))
+    assert problems(2, *colocate, "trainer.v1.sampler.max_off_policy_strategy=wait") == ""
     assert "colocate_async with actor_rollout_ref.rollout.name=vllm is not built" in problems(2, *colocate, "actor_rollout_ref.rollout.name=vllm")
     assert problems(2, *colocate) == ""
     assert "asks for standalone rollout ranks, which only trainer.v1.trainer_mode=separate_async" in problems(
@@ -148,12 +149,15 @@ def test_separate_rollout_ranks_at_lag_zero_are_the_synchronous_run(tmp_path, eo
     assert_the_synchronous_run(out, separate, *sync_runs(training_ranks))
 
 
-def test_colocate_async_with_nothing_in_flight_is_the_synchronous_run(tmp_path, eos_llama, rl_data, sync_runs):
-    """colocate_async on 2 ranks with no batch in flight ahead (num_warmup_batches 0) and a generation batch
-    that holds a rank's share: each step finishes its batch's responses under its own weights, as the sync mode does."""
+@pytest.mark.parametrize("nothing_ahead", [{"trainer__v1__colocate_async__num_warmup_batches": 0},
+                                           {"trainer__v1__sampler__max_off_policy_strategy": "wait", "trainer__v1__sampler__max_off_policy_threshold": 0}],
+                         ids=["no-warmup-batches", "wait-at-threshold-0"])
+def test_colocate_async_with_nothing_in_flight_is_the_synchronous_run(tmp_path, eos_llama, rl_data, sync_runs, nothing_ahead):
+    """colocate_async on 2 ranks with no batch in flight ahead (num_warmup_batches 0, or a batch asked ahead but
+    `wait` at threshold 0) and a generation batch that holds a rank's share: each step finishes its batch's responses
+    under its own weights, as the sync mode does."""
     out = str(tmp_path / "colocate")
-    colocate = run(2, eos_llama, rl_data, out, trainer__v1__trainer_mode="colocate_async", trainer__v1__colocate_async__num_warmup_batches=0,
-                   trainer__save_freq=3)
+    colocate = run(2, eos_llama, rl_data, out, trainer__v1__trainer_mode="colocate_async", **nothing_ahead, trainer__save_freq=3)
     assert [m["async/in_flight_groups"] for m in colocate] == [0, 0, 0]
     assert_the_synchronous_run(out, colocate, *sync_runs(2))
 
@@ -229,6 +233,10 @@ def test_the_check_says_which_ranks_train_and_which_generate(capsys, tiny_llama,
     assert main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0
     assert ("placement (colocate_async): every rank generates and trains; its unfinished responses stay in flight across steps, 1 batch(es) "
             "in flight ahead, a trained group's lag at most 8 version(s), a staler one dropped") in capsys.readouterr().out
+    args = grpo_args(tiny_llama, rl_data, "unused", trainer__v1__trainer_mode="colocate_async", trainer__v1__colocate_async__num_warmup_batches=2,
+                     trainer__v1__sampler__max_off_policy_strategy="wait", trainer__v1__sampler__max_off_policy_threshold=1)
+    assert main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0
+    assert "1 batch(es) in flight ahead, a trained group's lag at most 1 version(s), each step waiting for its own batch's groups" in capsys.readouterr().out
 
 
 def test_a_response_goes_on_under_the_weights_that_come_while_it_is_drawn(tiny_llama):
@@ -274,7 +282,8 @@ def test_the_pool_trains_the_first_complete_groups_and_continues_the_rest_under_
     step takes 4 complete groups, all drawn by version 0, and leaves the next batch's started; after new weights
     (version 1), the groups in flight go on under them. Every token's sampling log-prob is the log-softmax of a
     plain forward of the weights that drew it; no group is taken twice, and every group added is taken, dropped or
-    still in flight. With max_off_policy_threshold 0 every group holding a version-0 token is dropped, and counted."""
+    still in flight. With max_off_policy_threshold 0 every group holding a version-0 token is dropped, and counted.
+    With `wait`, each step takes its own batch's groups, the batches in flight capped by the threshold, none dropped."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdptrain.rl.data import Prompt
@@ -292,9 +301,9 @@ def test_the_pool_trains_the_first_complete_groups_and_continues_the_rest_under_
                for a in range(40)]
     request = RolloutRequest(n=4, max_new_tokens=8, batch_size=16, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, calculate_log_probs=True)
 
-    def steps(max_lag: int | None) -> tuple[ResponsePool, list[list], list[int], set]:
+    def steps(max_lag: int | None, lead: int = 1, wait: bool = False) -> tuple[ResponsePool, list[list], list[int], set]:
         engine = HFRollout(eos_llama, torch.device("cpu"), torch.float32, tokenizer.pad_token_id or 0)
-        pool = ResponsePool(None, 4, lead=1, max_lag=max_lag, engine=engine, share=lambda b: prompts[4 * b : 4 * b + 4])
+        pool = ResponsePool(None, 4, lead=lead, max_lag=max_lag, wait=wait, engine=engine, share=lambda b: prompts[4 * b : 4 * b + 4])
         torch.manual_seed(0)
         taken, dropped = [], []
         for number in range(3):
@@ -330,6 +339,12 @@ def test_the_pool_trains_the_first_complete_groups_and_continues_the_rest_under_
     keys = [(g.batch, g.index) for groups in taken for g in groups]
     assert len(set(keys)) == len(keys) and len(keys) + sum(dropped) + len(pool.groups) == 4 * (pool.added_through + 1)
     assert not any((g.batch, g.index) in started_under_first for groups in taken[1:] for g in groups) and dropped[1] > 0
+
+    # wait, two batches asked ahead but a threshold of 1: each step takes its own batch, with one batch in flight beside it
+    pool, taken, dropped, started_under_first = steps(1, lead=2, wait=True)
+    assert [{g.batch for g in groups} for groups in taken] == [{0}, {1}, {2}] and [len(groups) for groups in taken] == [4, 4, 4]
+    assert dropped == [0, 0, 0] and pool.added_through == 3 and {g.batch for g in pool.groups} == {3}
+    assert any(g.oldest_version == 0 for g in taken[1])  # batch 1 began beside batch 0, before the update
 
 
 def test_colocate_async_keeps_responses_in_flight_within_the_lag_bound_and_survives_a_lost_rank(tmp_path, eos_llama, rl_data):

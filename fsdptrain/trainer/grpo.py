@@ -287,7 +287,7 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     kl_ctrl = build_kl_controller(plan.kl_control)
     shaping = RewardShaping(plan.shaping, RunningMoments())
     cursor = PromptCursor()
-    pool = (ResponsePool(parallel, plan.request.n, plan.asynchronous.lead, plan.asynchronous.max_lag)
+    pool = (ResponsePool(parallel, plan.request.n, plan.asynchronous.lead, plan.asynchronous.max_lag, plan.asynchronous.wait)
             if plan.asynchronous is not None and not plan.rollout_ranks else None)
     critic = build_critic(plan, parallel, total_steps, inputs.critic_config) if plan.critic is not None else None
     states = {"prompts": cursor, **({"kl_ctrl": kl_ctrl} if kl_ctrl is not None else {}), **({"in_flight": pool} if pool is not None else {})}

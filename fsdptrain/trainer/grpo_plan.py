@@ -102,6 +102,7 @@ class AsyncRollout:
     rollout_ranks: int
     lead: int  # prompt batches in flight ahead of the one a step trains (num_warmup_batches)
     max_lag: int | None  # the most versions a trained group may lag the policy that trains on it (max_off_policy_threshold)
+    wait: bool  # max_off_policy_strategy=wait: colocate_async trains each batch's own groups, none dropped (separate_async drops none either way)
 
 
 @dataclass(frozen=True)
@@ -452,7 +453,8 @@ def asynchronous_rollout(config: GRPOConfig) -> AsyncRollout | None:
     if trainer.mode == "sync":
         return None
     section = trainer.v1.separate_async if trainer.mode == "separate_async" else trainer.v1.colocate_async
-    return AsyncRollout(rollout_ranks(config), section.num_warmup_batches, trainer.v1.sampler.max_off_policy_threshold)
+    sampler = trainer.v1.sampler
+    return AsyncRollout(rollout_ranks(config), section.num_warmup_batches, sampler.max_off_policy_threshold, sampler.max_off_policy_strategy == "wait")
 
 
 def training_world(config: GRPOConfig, world: World) -> World:
@@ -501,11 +503,9 @@ def check_colocate_async(config: GRPOConfig) -> None:
     if trainer.mode != "colocate_async":
         return
     refused = {f"{ROLLOUT}.name={rollout.name}": rollout.name != "hf", f"{ROLLOUT}.multi_turn.enable=true": rollout.multi_turn.enable,
-               f"{ROLLOUT}.beam_search=true": rollout.beam_search, f"{ROLLOUT}.catalog_file": bool(rollout.catalog_file),
-               "trainer.v1.sampler.max_off_policy_strategy=wait": trainer.v1.sampler.max_off_policy_strategy == "wait"}
+               f"{ROLLOUT}.beam_search=true": rollout.beam_search, f"{ROLLOUT}.catalog_file": bool(rollout.catalog_file)}
     if names := [name for name, taken in refused.items() if taken]:
-        raise ConfigError(f"{key} with {', '.join(names)} is not built yet: the responses in flight are the hf engine's one-turn samples, "
-                          "and a group that lags too far is dropped (max_off_policy_strategy=drop)")
+        raise ConfigError(f"{key} with {', '.join(names)} is not built yet: the responses in flight are the hf engine's one-turn samples")
 
 
 def check_layout(config: GRPOConfig, world: World, derived: Derived) -> None:

@@ -4,7 +4,9 @@ batch of groups is complete, trains on the oldest complete groups, and leaves th
 they go on under the new weights, their prompts and tokens so far prefilled again (as partial rollouts are), the
 tokens drawn before keeping the version and the sampling log-probs that drew them. The pool holds the prompt
 batches of the next `lead` steps (num_warmup_batches) as well, so that a long response goes on while later steps
-train on the groups that finished.
+train on the groups that finished. With max_off_policy_strategy=wait, a step trains its own batch's groups instead,
+waiting for them while later batches' go on beside them, and no more batches are in flight than keep every group
+within max_off_policy_threshold: none is dropped.
 
 The pool decodes its live responses oldest first, as many at once as the sync mode's batches hold (whole groups, at
 most the rollout's batch size: log_prob_micro_batch_size_per_gpu), each distinct prompt prefilled once; when fewer
@@ -64,6 +66,7 @@ class ResponsePool:
     n: int  # responses to a prompt
     lead: int  # prompt batches in flight ahead of the one a step draws (num_warmup_batches)
     max_lag: int | None  # max_off_policy_threshold: versions a trained group may lag the policy; None: unbounded
+    wait: bool = False  # max_off_policy_strategy=wait (see take)
     version: int = 0  # the policy version the engine holds: the number of updates in its weights
     engine: HFRollout | None = None  # see bind
     share: Callable[[int], list[Prompt]] | None = None
@@ -94,20 +97,24 @@ class ResponsePool:
                         for index, prompt in enumerate(self.share(batch)) if index not in self.taken[batch]]
 
     def take(self, number: int, request: Any) -> tuple[list[InFlightGroup], int]:
-        """The groups that prompt batch `number`'s step trains on (as many as this rank's share of a batch): the
-        oldest complete ones, decoded (`request`: a sampling.RolloutRequest) for as long as fewer are complete, the
-        batches through `number + lead` in flight; and how many complete groups were dropped first for lagging the
-        policy by more than max_lag (their places taken by the next prompt batch's groups)."""
-        self.top_up(number + self.lead)
-        count, version = len(self.share(number)), self.version
-        chosen, dropped = [], 0
+        """The groups that prompt batch `number`'s step trains on (as many as this rank's share of a batch), decoded
+        (`request`: a sampling.RolloutRequest) for as long as fewer are complete, and how many complete groups were
+        dropped first for lagging the policy by more than max_lag (their places taken by the next prompt batch's
+        groups). With `drop`, the oldest complete groups, the batches through `number + lead` in flight; with
+        `wait`, batch `number`'s own groups, waited for, the batches through `number + min(lead, max_lag)` in
+        flight: a group starts at most that many updates before the step that trains it, and none is dropped."""
+        ahead = min(self.lead, self.max_lag) if self.wait and self.max_lag is not None else self.lead
+        self.top_up(number + ahead)
+        wanted = (lambda g: g.batch == number) if self.wait else (lambda g: True)
+        count = sum(map(wanted, self.groups)) if self.wait else len(self.share(number))
+        version, chosen, dropped = self.version, [], 0
         self.engine.wake_up()
         while len(chosen) < count:
             if len(self.groups) < count - len(chosen):
                 self.top_up(self.added_through + 1)
-            self.decode_until(count - len(chosen), request)
-            complete = [g for g in self.groups if g.complete]
-            stale = [g for g in complete if self.max_lag is not None and version - g.oldest_version > self.max_lag]
+            self.decode_until(count - len(chosen), request, wanted)
+            complete = [g for g in self.groups if g.complete and wanted(g)]
+            stale = [g for g in complete if not self.wait and self.max_lag is not None and version - g.oldest_version > self.max_lag]
             fresh = [g for g in complete if g not in stale][: count - len(chosen)]
             for group in [*stale, *fresh]:
                 self.groups.remove(group)
@@ -118,12 +125,13 @@ class ResponsePool:
         self.taken = {b: done for b, done in self.taken.items() if any(g.batch == b for g in self.groups)}
         return chosen, dropped
 
-    def decode_until(self, count: int, request: Any) -> None:
-        """Decode the live responses, oldest first in batches of whole groups, until `count` groups are complete."""
+    def decode_until(self, count: int, request: Any, wanted: Callable[[InFlightGroup], bool]) -> None:
+        """Decode the live responses, oldest first in batches of whole groups, until `count` of the `wanted` groups
+        are complete."""
         engine = self.engine
         warp = warpers(request.temperature, request.top_k, request.top_p) if request.do_sample else LogitsProcessorList()
         per_batch = max(1, request.batch_size // request.n) * min(request.n, request.batch_size)
-        while sum(g.complete for g in self.groups) < count:
+        while sum(g.complete for g in self.groups if wanted(g)) < count:
             rows = [(g, r) for g in self.groups for r in g.responses if not r.finished][:per_batch]
             sequences = [tuple(g.prompt.ids + r.tokens) for g, r in rows]
             distinct = list(dict.fromkeys(sequences))
@@ -133,7 +141,7 @@ class ResponsePool:
             cache.batch_select_indices(index)
             budgets = torch.tensor([request.max_new_tokens - len(r.tokens) for _, r in rows])
             decoded = decode(engine.model, cache, logits[index], attention_mask[index], int(budgets.max()), engine.end_ids, engine.pad_id, warp,
-                             request.do_sample, temperature=request.temperature, budgets=budgets, enough=self.enough_when(rows, count),
+                             request.do_sample, temperature=request.temperature, budgets=budgets, enough=self.enough_when(rows, count, wanted),
                              version=self.version)
             unfinished = set(decoded.unfinished)
             for row, ((_, response), drawn) in enumerate(zip(rows, decoded.drawn.tolist())):
@@ -142,15 +150,16 @@ class ResponsePool:
                 response.versions += decoded.versions[row, :drawn].tolist()
                 response.finished = row not in unfinished
 
-    def enough_when(self, rows: list[tuple[InFlightGroup, Response]], count: int) -> Callable[[list[int]], bool]:
-        """When to stop decoding `rows` (given the rows still going): once `count` groups are complete, or once
-        fewer than half of a batch go on while other responses wait, which then join them (the live ones
-        prefilled again with the newcomers: continuous batching, at the cost of a prefill per refill)."""
-        complete = sum(g.complete for g in self.groups)
+    def enough_when(self, rows: list[tuple[InFlightGroup, Response]], count: int,
+                    wanted: Callable[[InFlightGroup], bool]) -> Callable[[list[int]], bool]:
+        """When to stop decoding `rows` (given the rows still going): once `count` of the `wanted` groups are
+        complete, or once fewer than half of a batch go on while other responses wait, which then join them (the
+        live ones prefilled again with the newcomers: continuous batching, at the cost of a prefill per refill)."""
+        complete = sum(g.complete for g in self.groups if wanted(g))
         groups_in_batch, responses_in_batch = {id(g) for g, _ in rows}, {id(r) for _, r in rows}
-        # the groups whose every unfinished response is decoded in this batch, by the batch's rows they wait for
+        # the wanted groups whose every unfinished response is decoded in this batch, by the batch's rows they wait for
         waiting = [[row for row, (group, _) in enumerate(rows) if group is g] for g in self.groups
-                   if id(g) in groups_in_batch and all(id(r) in responses_in_batch for r in g.responses if not r.finished)]
+                   if wanted(g) and id(g) in groups_in_batch and all(id(r) in responses_in_batch for r in g.responses if not r.finished)]
         others_wait = sum(not r.finished for g in self.groups for r in g.responses) > len(rows)
         refill_below = len(rows) // 2 if others_wait else 0
 
