@@ -310,7 +310,10 @@ def train_tool_caller(path, tokenizer) -> str:
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([ids + [2] * (width - len(ids)) for ids, _ in batch])
         labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in batch])
-        model(input_ids=ids, labels=labels).loss.backward()
+        # the output layer (the tokenizer's 49,152 rows) on the trained positions alone: most of the time otherwise
+        targets = labels[:, 1:]
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1][targets != -100]
+        torch.nn.functional.cross_entropy(model.lm_head(hidden), targets[targets != -100]).backward()
         optimizer.step()
         optimizer.zero_grad()
     model.save_pretrained(directory)
