@@ -36,6 +36,8 @@ import make_tiny  # noqa: E402
 def tokenizer_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tokenizer")
     make_tiny.smollm2_tokenizer().save_pretrained(path)
+    # the scripts the tests run read it from here, not from the GGUF file again (3 s each)
+    os.environ.setdefault("SMOLLM2_TOKENIZER_DIR", str(path))
     return str(path)
 
 

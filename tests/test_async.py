@@ -19,7 +19,7 @@ from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
 from fsdptrain.trainer.grpo_plan import read_grpo_config
 
-from conftest import REPO, assert_same_weights, hf_weights, read_metrics, torchrun
+from conftest import REPO, assert_same_weights, hf_weights, read_metrics, save_tiny_model, torchrun
 from test_grpo import grpo_args
 
 SEPARATE = {"trainer__v1__trainer_mode": "separate_async", "actor_rollout_ref__rollout__nnodes": 1}
@@ -194,25 +194,21 @@ def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks
     assert logged == lags
 
 
-def test_a_vllm_rollout_rank_samples_the_weights_sent_and_survives_its_loss(tmp_path, rl_data, tokenizer):
+def test_a_vllm_rollout_rank_samples_the_weights_sent(tmp_path, rl_data, tokenizer):
     """separate_async with vLLM on the rollout rank (its engine in a process of its own: rl/rollout/engine_process.py),
-    1 + 1 at a lag of 0, a large learning rate, under torchrun --max-restarts=1 with the rollout rank killed as it
-    starts step 2's batch: the run finishes, each batch of the epoch trained once by its own step, and every step's
-    responses were sampled from the weights that train on them (the ratios of vLLM's sampling probabilities to the
-    trainer's old ones within 1e-4 of 1, after updates that move them by far more)."""
+    1 + 1 at a lag of 0 and a large learning rate: each batch trained once by its own step, and every step's
+    responses sampled from the weights that train on them (the ratios of vLLM's sampling probabilities to the
+    trainer's old ones within 1e-4 of 1, after updates that move them by far more). A lost rollout rank is the hf
+    test's above; its engine's process ends with it (the next test)."""
     pytest.importorskip("vllm")
-    from conftest import save_tiny_model
-
     model = save_tiny_model(tmp_path / "vllm_llama", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                             num_key_value_heads=1)  # 64-wide heads: vLLM's CPU attention has no kernel for narrower ones
-    args = grpo_args(model, rl_data, "unused", data__val_files="null", trainer__total_training_steps=2, trainer__save_freq=1,
-                     trainer__checkpoint__save_contents="[model,optimizer,extra]", trainer__rollout_data_dir=f"{tmp_path}/restarted/rollouts",
-                     actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
-                     actor_rollout_ref__actor__optim__lr="1e-2", algorithm__rollout_correction__rollout_is="token",
-                     actor_rollout_ref__rollout__n_gpus_per_node=1, trainer__v1__separate_async__parameter_sync_step=1,
-                     trainer__v1__sampler__max_off_policy_threshold=0, trainer__v1__sampler__max_off_policy_strategy="wait", **SEPARATE)
-    out = restarted_run(tmp_path, "fsdptrain.grpo_trainer", [a for a in args if not a.startswith("trainer.default_local_dir=")], ["rollout@2:1"])
-    metrics = read_metrics(out)
+    out = str(tmp_path / "run")
+    metrics = run(2, model, rl_data, out, trainer__total_training_steps=2, actor_rollout_ref__rollout__name="vllm",
+                  actor_rollout_ref__rollout__gpu_memory_utilization=0.1, actor_rollout_ref__actor__optim__lr="1e-2",
+                  algorithm__rollout_correction__rollout_is="token", actor_rollout_ref__rollout__n_gpus_per_node=1,
+                  trainer__v1__separate_async__parameter_sync_step=1, trainer__v1__sampler__max_off_policy_threshold=0,
+                  trainer__v1__sampler__max_off_policy_strategy="wait", **SEPARATE)
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[0]["actor/grad_norm"] > 0.1
     for m in metrics:  # the probabilities themselves are tiny (a random model over the tokenizer's 49,152 rows): their ratios
@@ -275,6 +271,52 @@ def test_a_response_goes_on_under_the_weights_that_come_while_it_is_drawn(tiny_l
             by_version = [model(ids).logits[0, len(g.prompt_ids) - 1 : -1].log_softmax(-1) for model in (first, second)]
         expected = [by_version[v][i, token] for i, (v, token) in enumerate(zip(g.versions, g.response_ids))]
         assert torch.tensor(g.log_probs) == pytest.approx(torch.stack(expected), abs=1e-5)
+
+
+def test_a_vllm_response_goes_on_under_the_weights_that_come_while_it_is_drawn(tmp_path, tokenizer):
+    """Partial rollouts on a rollout rank's vLLM engine (in its own process): new weights sent while it generates
+    stop its requests, are loaded, and the requests go on from their tokens so far. Each token's sampling log-prob
+    is the log-softmax of a plain forward (float64) of the model whose weights drew it, given the whole prefix, and
+    each token is tagged with that version. The engine's process ends when its rank's end of the pipe closes."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from fsdptrain.rl.rollout.base import EngineSpec
+    from fsdptrain.rl.rollout.engine_process import EngineProcess
+    from fsdptrain.rl.rollout.hf import WeightsRefresh
+    from fsdptrain.rl.rollout.vllm import EngineSettings
+
+    path = save_tiny_model(tmp_path / "vllm_llama", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                           num_key_value_heads=1)  # 64-wide heads: vLLM's CPU attention has no kernel for narrower ones
+    first = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    second = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+    engine = EngineProcess("vllm", EngineSpec(path, torch.float32, torch.device("cpu"), 0, False, 256, 0, 1, False,
+                                              EngineSettings(gpu_memory_utilization=0.1)))
+    looks = []
+
+    def load() -> int | None:  # the second look (40 ms in): far sooner than 96 tokens are drawn
+        looks.append(1)
+        if len(looks) != 2:
+            return None
+        engine.update_weights(second.named_parameters())
+        return 1
+
+    engine.refresh = WeightsRefresh(load, 0)
+    generations = engine.generate([[5, 6, 7, 8], [9, 10, 11]], n=2, max_new_tokens=96, batch_size=4, calculate_log_probs=True)
+    engine.conn.close()  # as it closes when the rank dies, however it dies
+    engine.process.join(timeout=60)
+    assert engine.process.exitcode == 0
+    assert all(len(g.response_ids) == len(g.log_probs) == len(g.versions) == 96 for g in generations)  # a random model runs to the limit
+    assert all(g.versions == sorted(g.versions) and g.versions[0] == 0 and g.versions[-1] == 1 for g in generations)
+    for g in generations:
+        ids = torch.tensor(g.prompt_ids + g.response_ids)[None]
+        with torch.no_grad():
+            by_version = [model(ids).logits[0, len(g.prompt_ids) - 1 : -1].double().log_softmax(-1) for model in (first, second)]
+        expected = torch.stack([by_version[v][i, token] for i, (v, token) in enumerate(zip(g.versions, g.response_ids))])
+        assert torch.tensor(g.log_probs, dtype=torch.float64) == pytest.approx(expected, abs=1e-4)
 
 
 def test_the_pool_trains_the_first_complete_groups_and_continues_the_rest_under_new_weights(eos_llama):

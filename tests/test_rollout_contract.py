@@ -1,5 +1,5 @@
-"""Both rollout engines satisfy the one contract (rl/rollout/base.py), method for method and argument for
-argument, so that the trainer, evaluation and a multi-turn loop can drive either."""
+"""Both rollout engines, and an engine in a process of its own, satisfy the one contract (rl/rollout/base.py), method
+for method and argument for argument, so that the trainer, evaluation and a multi-turn loop can drive any."""
 
 import inspect
 
@@ -8,6 +8,7 @@ import torch
 
 from fsdptrain.rl.rollout import ROLLOUT_ENGINES
 from fsdptrain.rl.rollout.base import RolloutEngine
+from fsdptrain.rl.rollout.engine_process import EngineProcess
 from fsdptrain.rl.rollout.hf import HFRollout
 from fsdptrain.rl.rollout.vllm import VLLMRollout
 
@@ -18,7 +19,7 @@ def parameters(function) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
 
-@pytest.mark.parametrize("engine", [HFRollout, VLLMRollout])
+@pytest.mark.parametrize("engine", [HFRollout, VLLMRollout, EngineProcess])
 def test_every_method_takes_the_contracts_arguments(engine):
     for method in METHODS:
         assert parameters(getattr(engine, method)) == parameters(getattr(RolloutEngine, method)), f"{engine.__name__}.{method}"

@@ -4,6 +4,11 @@ world is the whole job's, and the training ranks never join the groups such an e
 rank spawns a clean child (no process group), which builds the engine as a single process (EngineSpec.distributed
 false, as evaluate.py does) and answers its calls over a pipe. Weights cross as shared-memory tensors, one at a
 time, into the engine's own streaming load. The child ends when the pipe closes: with its rank, however that ends.
+
+Partial rollouts: with a `refresh` (the rollout rank's: hf.WeightsRefresh), the rank looks for newer weights while
+the child generates, and sends them; the child, between two engine steps, finds them waiting, stops its unfinished
+requests, loads them, takes their version from the rank, and goes on (VLLMRollout.generate_reloading). Each reply
+is tagged with the call it answers, since a generation may finish while the rank is sending weights.
 """
 
 import multiprocessing.connection
@@ -18,10 +23,12 @@ import torch.multiprocessing
 
 from fsdptrain.rl.rollout import build_rollout
 from fsdptrain.rl.rollout.base import EngineSpec, Generation
+from fsdptrain.rl.rollout.hf import WeightsRefresh
 
 # torchrun's variables name the job's world; the child's engine is a world of one, whose own init must not read them
 JOB_WORLD = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+LOOK_EVERY_S = 0.02  # how often the rank looks for newer weights while the child generates
 
 
 class EngineFailed(RuntimeError):
@@ -29,51 +36,89 @@ class EngineFailed(RuntimeError):
 
 
 class EngineProcess:
-    """The engine `name` built from `spec` in a spawned process; its RolloutEngine calls are answered there."""
+    """The engine `name` built from `spec` in a spawned process; its RolloutEngine calls are answered there. The
+    engine is always awake (a rollout rank's has nothing else to make room for), so sleep and wake_up do nothing."""
 
     def __init__(self, name: str, spec: EngineSpec):
         context = torch.multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=serve_engine, args=(name, replace(spec, distributed=False), child), daemon=True,
-                                       name="fsdptrain-rollout-engine")
+        self.process = context.Process(target=serve_engine, args=(name, replace(spec, distributed=False, free_cache_engine=False), child),
+                                       daemon=True, name="fsdptrain-rollout-engine")
         self.process.start()
         child.close()
         self.dtype, self.group = spec.dtype, None
-        self.result()  # built, or its error raised here
+        self.refresh: WeightsRefresh | None = None  # partial rollouts: newer weights taken while it generates
+        self.replies: dict[str, Any] = {}  # replies read while waiting for another's
+        self.reply("built")
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        self.conn.send((method, args, kwargs))
-        return self.result()
+    def reply(self, call: str) -> Any:
+        while call not in self.replies:
+            try:
+                answered, failed, value = self.conn.recv()
+            except EOFError:
+                raise EngineFailed(f"the rollout engine's process (pid {self.process.pid}) ended, exit code {self.process.exitcode}") from None
+            if failed:
+                raise EngineFailed(f"in the rollout engine's process:\n{value}")
+            self.replies[answered] = value
+        return self.replies.pop(call)
 
-    def result(self) -> Any:
-        try:
-            failed, value = self.conn.recv()
-        except EOFError:
-            raise EngineFailed(f"the rollout engine's process (pid {self.process.pid}) ended, exit code {self.process.exitcode}") from None
-        if failed:
-            raise EngineFailed(f"in the rollout engine's process:\n{value}")
-        return value
-
-    def generate(self, prompts: Sequence[list[int]], **sampling: Any) -> list[Generation]:
-        return self.call("generate", [list(ids) for ids in prompts], **sampling)
+    def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
+        refresh = self.refresh
+        sampling = dict(n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, top_p=top_p, top_k=top_k,
+                        do_sample=do_sample, calculate_log_probs=calculate_log_probs)
+        self.conn.send(("generate", ([list(ids) for ids in prompts],), {**sampling, "version": refresh.version if refresh else None}))
+        while refresh is not None and "generate" not in self.replies and not self.conn.poll(LOOK_EVERY_S):
+            if (version := refresh.load()) is not None:  # sent by update_weights; the child waits for their version
+                self.conn.send(("version", version))
+        return self.reply("generate")
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.conn.send(("update_weights", (), {}))
         for name, tensor in weights:
             self.conn.send((name, tensor))
         self.conn.send(None)
-        self.result()
+        self.reply("update_weights")
 
     def sleep(self) -> None:
-        self.call("sleep")
+        pass
 
     def wake_up(self) -> None:
-        self.call("wake_up")
+        pass
 
     def shutdown(self) -> None:
-        self.call("shutdown")
+        self.conn.send(("shutdown", (), {}))
+        self.reply("shutdown")
         self.conn.close()
         self.process.join()
+
+
+class PipeReload:
+    """In the engine's process, during a generation: the rank's newer weights, waiting in the pipe (vllm.Reload)."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, engine: Any, version: int):
+        self.conn, self.engine, self.version = conn, engine, version
+
+    def pending(self) -> bool:
+        return self.conn.poll()
+
+    def load(self) -> None:
+        call, _, _ = self.conn.recv()
+        assert call == "update_weights", call  # the one call a rank makes while the child generates
+        load_weights(self.engine, self.conn)
+        self.conn.send(("update_weights", False, None))
+        tag, self.version = self.conn.recv()
+        assert tag == "version", tag
+
+
+def load_weights(engine: Any, conn: multiprocessing.connection.Connection) -> None:
+    """The weights the rank streams after an update_weights call, into the engine."""
+    stream = received_weights(conn)
+    try:
+        engine.update_weights(stream)
+    finally:
+        for _ in stream:  # what a failed load left unread, so that the next call reads a call
+            pass
 
 
 def received_weights(conn: multiprocessing.connection.Connection) -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,28 +132,29 @@ def serve_engine(name: str, spec: EngineSpec, conn: multiprocessing.connection.C
     try:
         engine = build_rollout(name, spec)
     except Exception:
-        conn.send((True, traceback.format_exc()))
+        conn.send(("built", True, traceback.format_exc()))
         return
-    conn.send((False, None))
+    conn.send(("built", False, None))
     while True:
         try:
-            method, args, kwargs = conn.recv()
+            message = conn.recv()
         except EOFError:  # the rank is gone
             return
-        try:
-            if method == "update_weights":
-                stream = received_weights(conn)
-                try:
-                    result = engine.update_weights(stream)
-                finally:
-                    for _ in stream:  # what a failed load left unread, so that the next call reads a call
-                        pass
-            else:
-                result = getattr(engine, method)(*args, **kwargs)
-        except Exception:
-            conn.send((True, traceback.format_exc()))
+        call, args, kwargs = message if len(message) == 3 else (message[0], (), {})
+        if call == "version":  # of weights that came after the generation they were meant for had finished
             continue
-        conn.send((False, result))
-        if method == "shutdown":
+        try:
+            if call == "update_weights":
+                result = load_weights(engine, conn)
+            elif call == "generate":
+                version = kwargs.pop("version")
+                engine.reload = PipeReload(conn, engine, version) if version is not None else None
+                result = engine.generate(*args, **kwargs)
+            else:
+                result = getattr(engine, call)(*args, **kwargs)
+        except Exception:
+            conn.send((call, True, traceback.format_exc()))
+            continue
+        conn.send((call, False, result))
+        if call == "shutdown":
             return
-

@@ -10,7 +10,8 @@ import contextlib
 import glob
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,31 @@ def remove_stale_shared_memory(ranks: list[int]) -> None:
                 os.remove(path)
 
 
+class Reload(Protocol):
+    """Newer weights that may come while the engine generates (a standalone rollout rank's: engine_process.py)."""
+
+    version: int  # of the weights the engine holds
+
+    def pending(self) -> bool:
+        """Newer weights are waiting."""
+        ...
+
+    def load(self) -> None:
+        """Load them (no request running), and take their version."""
+        ...
+
+
+@dataclass
+class Drawn:
+    """A response drawn over one or more requests (generate_reloading)."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    truncated: bool = False
+    submissions: int = 0
+
+
 class VLLMRollout:
     """A vLLM engine on this rank's device. In a torchrun job (`distributed`) each group of `tensor_parallel_size`
     consecutive ranks builds one engine over the job's process group; alone, it is a plain single-process engine."""
@@ -106,13 +132,15 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",  # after temperature, top-k and top-p: the distribution sampled from
         )
         self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.reload: Reload | None = None  # partial rollouts on a standalone rollout rank (engine_process.py)
         self.dtype = dtype
         self._sampling_params = vllm.SamplingParams
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
         """vLLM batches by its own max_num_seqs, so `batch_size` is unused; the sampled tokens' log-probs come with
-        every response (vLLM computes them anyway)."""
+        every response (vLLM computes them anyway). With a `reload`, newer weights are taken while it generates
+        (`generate_reloading`)."""
         mine = [list(ids) for ids in prompts]
         if self.group is not None:
             every_rank = gather_lists([mine], self.group)
@@ -120,8 +148,10 @@ class VLLMRollout:
             prompts = [ids for part in every_rank for ids in part]
         if not prompts:
             return []
-        params = self._sampling_params(n=n, max_tokens=max_new_tokens, logprobs=0, temperature=temperature if do_sample else 0.0,
-                                       top_p=top_p if do_sample else 1.0, top_k=top_k if do_sample else -1)
+        sampling = dict(logprobs=0, temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 1.0, top_k=top_k if do_sample else -1)
+        if self.reload is not None:
+            return self.generate_reloading([ids for ids in prompts for _ in range(n)], max_new_tokens, sampling, self.reload)
+        params = self._sampling_params(n=n, max_tokens=max_new_tokens, **sampling)
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
         generations = []
         for ids, output in zip(prompts, outputs):
@@ -130,6 +160,43 @@ class VLLMRollout:
                 log_probs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
                 generations.append(Generation(list(ids), tokens, [1] * len(tokens), log_probs, completion.finish_reason == "length"))
         return generations if self.group is None else generations[before * n : (before + len(mine)) * n]
+
+    def generate_reloading(self, prompts: list[list[int]], max_new_tokens: int, sampling: dict, reload: Reload) -> list[Generation]:
+        """One response to each prompt, each its own request, stepped here: when newer weights wait, the unfinished
+        requests are aborted, the weights loaded, and each resubmitted as its prompt and tokens so far with the rest
+        of its budget (verl's partial rollouts: the prefix's keys and values recomputed under the new weights); the
+        tokens drawn before keep their log-probs and version."""
+        engine, kind = self.llm.llm_engine, import_vllm().sampling_params.RequestOutputKind.DELTA
+        drawn = [Drawn() for _ in prompts]
+        live: dict[str, int] = {}
+
+        def submit(row: int) -> None:
+            request = f"{row}.{drawn[row].submissions}"
+            drawn[row].submissions += 1
+            params = self._sampling_params(max_tokens=max_new_tokens - len(drawn[row].tokens), output_kind=kind, **sampling)
+            engine.add_request(request, {"prompt_token_ids": prompts[row] + drawn[row].tokens}, params)
+            live[request] = row
+
+        for row in range(len(prompts)):
+            submit(row)
+        while live:
+            for output in engine.step():
+                if output.request_id not in live:  # aborted
+                    continue
+                response, completion = drawn[live[output.request_id]], output.outputs[0]
+                response.tokens += completion.token_ids
+                response.log_probs += [float(step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]
+                response.versions += [reload.version] * len(completion.token_ids)
+                if output.finished:
+                    response.truncated = completion.finish_reason == "length"
+                    del live[output.request_id]
+            if live and reload.pending():  # each unfinished response has budget left: it would have finished otherwise
+                engine.abort_request(list(live))
+                going, live = list(live.values()), {}
+                reload.load()
+                for row in going:
+                    submit(row)
+        return [Generation(ids, d.tokens, [1] * len(d.tokens), d.log_probs, d.truncated, versions=d.versions) for ids, d in zip(prompts, drawn)]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load each (name, full tensor), as it arrives, through vLLM's in-place reload (which re-packs what its
