@@ -60,10 +60,9 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
             placement = [f"placement (separate_async): ranks 0-{trainers - 1} train, ranks {trainers}-{trainers + servers - 1} generate "
                          f"({trainers // servers} training rank(s) each); {asynchronous.lead} batch(es) asked for ahead, a trained group's lag {lag}"]
         else:
-            ahead = min(asynchronous.lead, asynchronous.max_lag) if asynchronous.wait and asynchronous.max_lag is not None else asynchronous.lead
             bound = "" if asynchronous.max_lag is None else ", each step waiting for its own batch's groups" if asynchronous.wait else ", a staler one dropped"
             placement = [f"placement (colocate_async): every rank generates and trains; its unfinished responses stay in flight across steps, "
-                         f"{ahead} batch(es) in flight ahead, a trained group's lag {lag}{bound}"]
+                         f"{asynchronous.lead} batch(es) in flight ahead, a trained group's lag {lag}{bound}"]
     return [
         processes(world, plan.sp_size, trainers),
         *placement,

@@ -325,7 +325,7 @@ def test_the_pool_trains_the_first_complete_groups_and_continues_the_rest_under_
     (version 1), the groups in flight go on under them. Every token's sampling log-prob is the log-softmax of a
     plain forward of the weights that drew it; no group is taken twice, and every group added is taken, dropped or
     still in flight. With max_off_policy_threshold 0 every group holding a version-0 token is dropped, and counted.
-    With `wait`, each step takes its own batch's groups, the batches in flight capped by the threshold, none dropped."""
+    With `wait`, each step takes its own batch's groups, some begun before the update, none dropped."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdptrain.rl.data import Prompt
@@ -382,8 +382,8 @@ def test_the_pool_trains_the_first_complete_groups_and_continues_the_rest_under_
     assert len(set(keys)) == len(keys) and len(keys) + sum(dropped) + len(pool.groups) == 4 * (pool.added_through + 1)
     assert not any((g.batch, g.index) in started_under_first for groups in taken[1:] for g in groups) and dropped[1] > 0
 
-    # wait, two batches asked ahead but a threshold of 1: each step takes its own batch, with one batch in flight beside it
-    pool, taken, dropped, started_under_first = steps(1, lead=2, wait=True)
+    # wait, a threshold of 1 and so one batch in flight ahead (the plan's cap): each step takes its own batch
+    pool, taken, dropped, started_under_first = steps(1, lead=1, wait=True)
     assert [{g.batch for g in groups} for groups in taken] == [{0}, {1}, {2}] and [len(groups) for groups in taken] == [4, 4, 4]
     assert dropped == [0, 0, 0] and pool.added_through == 3 and {g.batch for g in pool.groups} == {3}
     assert any(g.oldest_version == 0 for g in taken[1])  # batch 1 began beside batch 0, before the update

@@ -100,7 +100,7 @@ class AsyncRollout:
     rank, its unfinished responses in flight across steps (rl/rollout/in_flight.py)."""
 
     rollout_ranks: int
-    lead: int  # prompt batches in flight ahead of the one a step trains (num_warmup_batches)
+    lead: int  # prompt batches in flight ahead of the one a step trains (num_warmup_batches; with colocate_async's wait, at most max_lag)
     max_lag: int | None  # the most versions a trained group may lag the policy that trains on it (max_off_policy_threshold)
     wait: bool  # max_off_policy_strategy=wait: colocate_async trains each batch's own groups, none dropped (separate_async drops none either way)
 
@@ -454,7 +454,10 @@ def asynchronous_rollout(config: GRPOConfig) -> AsyncRollout | None:
         return None
     section = trainer.v1.separate_async if trainer.mode == "separate_async" else trainer.v1.colocate_async
     sampler = trainer.v1.sampler
-    return AsyncRollout(rollout_ranks(config), section.num_warmup_batches, sampler.max_off_policy_threshold, sampler.max_off_policy_strategy == "wait")
+    lead, max_lag, wait = section.num_warmup_batches, sampler.max_off_policy_threshold, sampler.max_off_policy_strategy == "wait"
+    if trainer.mode == "colocate_async" and wait and max_lag is not None:
+        lead = min(lead, max_lag)  # a group in flight no more batches ahead than keeps it within the bound: none to drop
+    return AsyncRollout(rollout_ranks(config), lead, max_lag, wait)
 
 
 def training_world(config: GRPOConfig, world: World) -> World:

@@ -66,7 +66,7 @@ class ResponsePool:
     n: int  # responses to a prompt
     lead: int  # prompt batches in flight ahead of the one a step draws (num_warmup_batches)
     max_lag: int | None  # max_off_policy_threshold: versions a trained group may lag the policy; None: unbounded
-    wait: bool = False  # max_off_policy_strategy=wait (see take)
+    wait: bool = False  # max_off_policy_strategy=wait: each step takes its own batch's groups (see take)
     version: int = 0  # the policy version the engine holds: the number of updates in its weights
     engine: HFRollout | None = None  # see bind
     share: Callable[[int], list[Prompt]] | None = None
@@ -100,11 +100,10 @@ class ResponsePool:
         """The groups that prompt batch `number`'s step trains on (as many as this rank's share of a batch), decoded
         (`request`: a sampling.RolloutRequest) for as long as fewer are complete, and how many complete groups were
         dropped first for lagging the policy by more than max_lag (their places taken by the next prompt batch's
-        groups). With `drop`, the oldest complete groups, the batches through `number + lead` in flight; with
-        `wait`, batch `number`'s own groups, waited for, the batches through `number + min(lead, max_lag)` in
-        flight: a group starts at most that many updates before the step that trains it, and none is dropped."""
-        ahead = min(self.lead, self.max_lag) if self.wait and self.max_lag is not None else self.lead
-        self.top_up(number + ahead)
+        groups), the batches through `number + lead` in flight. With `drop`, the oldest complete groups; with
+        `wait`, batch `number`'s own groups, waited for: a group starts at most `lead` updates before the step that
+        trains it (the plan keeps lead within max_lag), and none is dropped."""
+        self.top_up(number + self.lead)
         wanted = (lambda g: g.batch == number) if self.wait else (lambda g: True)
         count = sum(map(wanted, self.groups)) if self.wait else len(self.share(number))
         version, chosen, dropped = self.version, [], 0
