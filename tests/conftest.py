@@ -68,6 +68,13 @@ def ids_llama(tmp_path_factory, tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
+def vllm_llama(tmp_path_factory, tokenizer) -> str:
+    """A tiny Llama with 64-wide heads: vLLM's CPU attention has no kernel for the narrower ones."""
+    return save_tiny_model(tmp_path_factory.mktemp("vllm_llama"), "llama", tokenizer, hidden_size=128, intermediate_size=256,
+                           num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, tokenizer) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", tokenizer)
 

@@ -178,12 +178,10 @@ def test_grpo_refuses_to_grow_a_model_its_engine_loads_as_it_is(tmp_path, tiny_l
 
 
 @pytest.mark.slow
-def test_vllm_serves_the_grown_export_as_transformers_does(tmp_path, tokenizer, catalog):
+def test_vllm_serves_the_grown_export_as_transformers_does(tmp_path, tokenizer, vllm_llama, catalog):
     pytest.importorskip("vllm")
-    model = save_tiny_model(tmp_path / "base", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                            num_key_value_heads=1)  # 64-wide heads: vLLM's CPU attention has no kernel for narrower ones
     out = str(tmp_path / "run")
-    run_sft(2, model, catalog, out, model__added_tokens_file=catalog["index"], optim__lr="1e-2", trainer__checkpoint__save_contents="[hf_model]")
+    run_sft(2, vllm_llama, catalog, out, model__added_tokens_file=catalog["index"], optim__lr="1e-2", trainer__checkpoint__save_contents="[hf_model]")
     export = os.path.join(out, "global_step_3", "huggingface")
     script = f"""
 import json

@@ -19,7 +19,7 @@ from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError
 from fsdptrain.trainer.grpo_plan import read_grpo_config
 
-from conftest import REPO, assert_same_weights, hf_weights, read_metrics, save_tiny_model, torchrun
+from conftest import REPO, assert_same_weights, hf_weights, read_metrics, torchrun
 from test_grpo import grpo_args
 
 SEPARATE = {"trainer__v1__trainer_mode": "separate_async", "actor_rollout_ref__rollout__nnodes": 1}
@@ -194,17 +194,15 @@ def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks
     assert logged == lags
 
 
-def test_a_vllm_rollout_rank_samples_the_weights_sent(tmp_path, rl_data, tokenizer):
+def test_a_vllm_rollout_rank_samples_the_weights_sent(tmp_path, rl_data, vllm_llama):
     """separate_async with vLLM on the rollout rank (its engine in a process of its own: rl/rollout/engine_process.py),
     1 + 1 at a lag of 0 and a large learning rate: each batch trained once by its own step, and every step's
     responses sampled from the weights that train on them (the ratios of vLLM's sampling probabilities to the
     trainer's old ones within 1e-4 of 1, after updates that move them by far more). A lost rollout rank is the hf
     test's above; its engine's process ends with it (the next test)."""
     pytest.importorskip("vllm")
-    model = save_tiny_model(tmp_path / "vllm_llama", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                            num_key_value_heads=1)  # 64-wide heads: vLLM's CPU attention has no kernel for narrower ones
     out = str(tmp_path / "run")
-    metrics = run(2, model, rl_data, out, trainer__total_training_steps=2, actor_rollout_ref__rollout__name="vllm",
+    metrics = run(2, vllm_llama, rl_data, out, trainer__total_training_steps=2, actor_rollout_ref__rollout__name="vllm",
                   actor_rollout_ref__rollout__gpu_memory_utilization=0.1, actor_rollout_ref__actor__optim__lr="1e-2",
                   algorithm__rollout_correction__rollout_is="token", actor_rollout_ref__rollout__n_gpus_per_node=1,
                   trainer__v1__separate_async__parameter_sync_step=1, trainer__v1__sampler__max_off_policy_threshold=0,
@@ -273,7 +271,7 @@ def test_a_response_goes_on_under_the_weights_that_come_while_it_is_drawn(tiny_l
         assert torch.tensor(g.log_probs) == pytest.approx(torch.stack(expected), abs=1e-5)
 
 
-def test_a_vllm_response_goes_on_under_the_weights_that_come_while_it_is_drawn(tmp_path, tokenizer):
+def test_a_vllm_response_goes_on_under_the_weights_that_come_while_it_is_drawn(vllm_llama):
     """Partial rollouts on a rollout rank's vLLM engine (in its own process): new weights sent while it generates
     stop its requests, are loaded, and the requests go on from their tokens so far. Each token's sampling log-prob
     is the log-softmax of a plain forward (float64) of the model whose weights drew it, given the whole prefix, and
@@ -286,14 +284,12 @@ def test_a_vllm_response_goes_on_under_the_weights_that_come_while_it_is_drawn(t
     from fsdptrain.rl.rollout.hf import WeightsRefresh
     from fsdptrain.rl.rollout.vllm import EngineSettings
 
-    path = save_tiny_model(tmp_path / "vllm_llama", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                           num_key_value_heads=1)  # 64-wide heads: vLLM's CPU attention has no kernel for narrower ones
-    first = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    second = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    first = AutoModelForCausalLM.from_pretrained(vllm_llama, dtype=torch.float32).eval()
+    second = AutoModelForCausalLM.from_pretrained(vllm_llama, dtype=torch.float32).eval()
     with torch.no_grad():
         for parameter in second.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
-    engine = EngineProcess("vllm", EngineSpec(path, torch.float32, torch.device("cpu"), 0, False, 256, 0, 1, False,
+    engine = EngineProcess("vllm", EngineSpec(vllm_llama, torch.float32, torch.device("cpu"), 0, False, 256, 0, 1, False,
                                               EngineSettings(gpu_memory_utilization=0.1)))
     looks = []
 

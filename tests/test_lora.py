@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.config.verl_keys import translate
 
-from conftest import REPO, assert_same_run, assert_same_weights, grpo_config_problems, hf_weights, read_metrics, run_sft, save_tiny_model, torchrun
+from conftest import REPO, assert_same_run, assert_same_weights, grpo_config_problems, hf_weights, read_metrics, run_sft, torchrun
 from test_grpo import grpo_args
 from test_verl_keys import script_overrides, with_local
 
@@ -181,11 +181,9 @@ def test_verls_lora_recipe_loads_as_written(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_vllm_samples_from_the_merged_weights(tmp_path, tokenizer, rl_data):
-    model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                            num_key_value_heads=1)  # vLLM's CPU attention has no kernel for narrower heads
+def test_vllm_samples_from_the_merged_weights(tmp_path, vllm_llama, rl_data):
     out = str(tmp_path / "run")
-    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(model, rl_data, out, actor_rollout_ref__model__lora_rank=8,
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(vllm_llama, rl_data, out, actor_rollout_ref__model__lora_rank=8,
                                                     actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
                                                     actor_rollout_ref__actor__optim__lr="1e-2", trainer__test_freq=-1))
     metrics = read_metrics(out)

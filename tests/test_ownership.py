@@ -23,7 +23,6 @@ from conftest import (
     launch,
     read_metrics,
     run_sft,
-    save_tiny_model,
     sft_args,
     torchrun,
     wait_for,
@@ -185,13 +184,6 @@ def test_grpo_restarts_after_lost_workers_and_trains_the_same(tmp_path, tiny_lla
 VLLM = dict(actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
             actor_rollout_ref__rollout__tensor_model_parallel_size=2)
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-
-
-@pytest.fixture(scope="module")
-def vllm_llama(tmp_path_factory, tokenizer) -> str:
-    """A tiny Llama with 64-wide heads: vLLM's CPU attention has no kernel for the narrower ones."""
-    return save_tiny_model(tmp_path_factory.mktemp("vllm_llama"), "llama", tokenizer, hidden_size=128, intermediate_size=256,
-                           num_attention_heads=2, num_key_value_heads=1)
 
 
 @pytest.fixture(scope="module")

@@ -384,13 +384,11 @@ def test_the_docs_table_lists_every_key():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
-def test_verls_example_trains_two_steps(tmp_path, tokenizer, rl_data):
+def test_verls_example_trains_two_steps(tmp_path, vllm_llama, rl_data):
     """The example as written (vLLM rollouts, KL loss, the reference offloaded, gradient checkpointing, liger and
     fused-kernel keys) on 2 CPU processes, with the launcher, paths and sizes changed."""
-    model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                            num_key_value_heads=1)
     out = str(tmp_path / "run")
-    result = torchrun(2, "fsdptrain.grpo_trainer", with_local(script_overrides(EXAMPLE), sizes_and_paths(model, rl_data, out)))
+    result = torchrun(2, "fsdptrain.grpo_trainer", with_local(script_overrides(EXAMPLE), sizes_and_paths(vllm_llama, rl_data, out)))
     assert "use_liger=true: liger's Triton kernels need a CUDA device, this run is on cpu" in result.stdout
     # The script logs to the console and wandb (offline here), not to a file: the console lines are the metrics.
     lines = re.findall(r"^step (\d+) \| (?!plots:)(.*)$", result.stdout, re.MULTILINE)
@@ -519,24 +517,22 @@ def console_steps(stdout: str) -> list[tuple[str, str]]:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the examples roll out with vLLM, which is not installed")
 @pytest.mark.parametrize("script", ["ppo_trainer/run_qwen3_8b_fsdp.sh", "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh"],
                          ids=["ppo", "reward-model"])
-def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, rl_data, script):
+def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, vllm_llama, rl_data, script):
     """verl 0.9.0's PPO (a critic in verl 0.9's critic.fsdp section, padded) and reward-model (verl 0.9's
     reward.reward_model section) examples as bash computes them, vLLM rollouts, on 2 CPU processes with the launcher,
     paths and sizes changed: check passes, then a step each (GRPO with the KL loss and the reference offloaded is
     test_verls_example_trains_two_steps's, on the script it grew from)."""
     from test_reward_model import save_reward_model
 
-    model = save_tiny_model(tmp_path / "model", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                            num_key_value_heads=1)
     local = {}
     if script.startswith("ppo"):
         # a padded critic beside the packed actor, as verl's older PPO examples ran it
-        local = {"critic.model.path": model, "critic.ppo_max_token_len_per_gpu": 512, "critic.model.use_remove_padding": False}
+        local = {"critic.model.path": vllm_llama, "critic.ppo_max_token_len_per_gpu": 512, "critic.model.use_remove_padding": False}
     if "skyworkrm" in script:
         local = {"reward.reward_model.model_path": save_reward_model(tmp_path / "rm", tokenizer), "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2}
     out = str(tmp_path / "run")
-    args = v09_example(script, model, rl_data, out, **{**local, "trainer.total_training_steps": 1, "trainer.test_freq": 1})
+    args = v09_example(script, vllm_llama, rl_data, out, **{**local, "trainer.total_training_steps": 1, "trainer.test_freq": 1})
     assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0  # what a user runs first
     result = torchrun(2, "fsdptrain.grpo_trainer", args)
     lines = console_steps(result.stdout)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, read_metrics, save_tiny_model, torchrun
+from conftest import REPO, read_metrics, torchrun
 from test_grpo import grpo_args
 
 pytest.importorskip("vllm")
@@ -17,25 +17,18 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory, tokenizer) -> str:
-    """A tiny Llama with 64-wide heads: vLLM's CPU attention has no kernel for the narrower ones."""
-    return save_tiny_model(tmp_path_factory.mktemp("vllm_llama"), "llama", tokenizer, hidden_size=128, intermediate_size=256,
-                           num_attention_heads=2, num_key_value_heads=1)
+def test_the_engine_samples_from_the_weights_it_was_sent(vllm_llama):
+    torchrun(2, "tests.checks.vllm_check", [vllm_llama])
 
 
-def test_the_engine_samples_from_the_weights_it_was_sent(vllm_model):
-    torchrun(2, "tests.checks.vllm_check", [vllm_model])
-
-
-def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_model, rl_data):
+def test_grpo_trains_with_vllm_rollouts_and_its_export_serves(tmp_path, vllm_llama, rl_data):
     """Two steps on two ranks that share one engine split over them (tensor_model_parallel_size=2) with a large
     learning rate and ReMax's advantages (one more, greedy, rollout a prompt on the engine): the second step's
     rollouts come from the updated weights (the engine's log-probs are the
     trainer's old-policy ones to 1e-4), the run ends cleanly, and vLLM serves its Hugging Face export. (One engine
     a rank, with the sync's checks, is tests/checks/vllm_check.py.)"""
     out = str(tmp_path)
-    result = torchrun(2, "fsdptrain.grpo_trainer", grpo_args(vllm_model, rl_data, out, actor_rollout_ref__rollout__name="vllm",
+    result = torchrun(2, "fsdptrain.grpo_trainer", grpo_args(vllm_llama, rl_data, out, actor_rollout_ref__rollout__name="vllm",
                                                     actor_rollout_ref__rollout__gpu_memory_utilization=0.1,
                                                     actor_rollout_ref__rollout__tensor_model_parallel_size=2,
                                                     actor_rollout_ref__actor__optim__lr="1e-2",

@@ -449,6 +449,7 @@ def rollout_ranks(config: GRPOConfig) -> int:
 
 
 def asynchronous_rollout(config: GRPOConfig) -> AsyncRollout | None:
+    """trainer.v1's asynchronous mode as the run carries it out; None in the sync mode."""
     trainer = config.trainer
     if trainer.mode == "sync":
         return None

@@ -24,11 +24,11 @@ import torch.multiprocessing
 from fsdptrain.rl.rollout import build_rollout
 from fsdptrain.rl.rollout.base import EngineSpec, Generation
 from fsdptrain.rl.rollout.hf import WeightsRefresh
+from fsdptrain.rl.rollout.remote import LOOK_EVERY_S
 
 # torchrun's variables name the job's world; the child's engine is a world of one, whose own init must not read them
 JOB_WORLD = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
-LOOK_EVERY_S = 0.02  # how often the rank looks for newer weights while the child generates
 
 
 class EngineFailed(RuntimeError):
