@@ -14,10 +14,11 @@ import sys
 import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from fsdptrain.config.verl_keys import default_differences, translate
 from fsdptrain.distributed.mesh import World
-from fsdptrain.errors import UserError
+from fsdptrain.errors import ConfigError, UserError
 
 EPILOG = """key=value: the trainer's own command line (fsdptrain's keys or verl's); every key and its default:
 `python -m fsdptrain.sft_trainer --help`, `python -m fsdptrain.grpo_trainer --help`.
@@ -48,6 +49,9 @@ def grpo_sizes(overrides: list[str], problems: list[str], world: World) -> list[
 
     inputs = read_grpo_inputs(*resolve_grpo(read_grpo_config(composed("grpo_trainer", overrides), problems, world), world))
     plan, data = inputs.plan, inputs.plan.data
+    builds(inputs.hf_config, plan.actor_model, "actor_rollout_ref.model.path")
+    if inputs.critic_config is not None:
+        builds(inputs.critic_config, plan.critic_model, "critic.model.path", AutoModelForTokenClassification)
     n = plan.request.n
     trainers = world.world_size - plan.rollout_ranks
     dp = trainers // plan.sp_size
@@ -84,6 +88,7 @@ def sft_sizes(overrides: list[str], problems: list[str], world: World) -> list[s
 
     inputs = read_sft_inputs(plan_sft(read_sft_config(composed("sft_trainer", overrides), problems, world)))
     data, sp = inputs.plan.data, inputs.plan.sp_size
+    builds(inputs.hf_config, inputs.plan.model, "model.partial_pretrain")
     dp = world.world_size // sp
     return [
         processes(world, sp),
@@ -92,6 +97,18 @@ def sft_sizes(overrides: list[str], problems: list[str], world: World) -> list[s
         f"{micro_batches(inputs.plan.micro_batching)}",
         f"a sample: at most {data.max_length} tokens; a step at most {data.train_batch_size * data.max_length} tokens",
     ]
+
+
+def builds(hf_config, spec, path_key: str, auto_class: type = AutoModelForCausalLM) -> None:
+    """Build the model `spec` names on the meta device, as the trainer builds it (its attention included), so that
+    what transformers cannot run is named here rather than in the first step."""
+    from fsdptrain.models.loading import build_on_meta
+
+    try:
+        build_on_meta(hf_config, spec.model, spec.packed, auto_class)
+    except (ValueError, ImportError, NotImplementedError, RuntimeError) as e:
+        raise ConfigError(f"{path_key}={spec.path!r} ({hf_config.model_type}) cannot be built as the run would build it: "
+                          f"{str(e).splitlines()[0]}") from e
 
 
 def composed(config_name: str, overrides: list[str]):

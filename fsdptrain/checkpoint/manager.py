@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.checkpoint.hf_export import ARCHITECTURE_KEYS, save_hf_folder
 from fsdptrain.config.shared import LoRASettings, TrainerConfig
+from fsdptrain.distributed.fsdp import persistent_buffers
 from fsdptrain.distributed.launcher import fault_point
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.dtypes import DTYPES
@@ -158,9 +159,9 @@ class CheckpointManager:
         failed = torch.tensor([error is not None], dtype=torch.int32, device=self.parallel.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.parallel.group)
         if error is not None:
+            disk = " (is the disk full or not writable?)" if isinstance(error, OSError) else ""
             raise CheckpointError(
-                f"checkpoint save under {self.root} failed (is the disk full or not writable?); "
-                f"the previous checkpoint is intact: {str(error).splitlines()[0]}"
+                f"checkpoint save under {self.root} failed{disk}; the previous checkpoint is intact: {str(error).splitlines()[0]}"
             ) from error
         if failed.item():
             raise CheckpointError(f"checkpoint save under {self.root} failed on another rank; the previous checkpoint is intact")
@@ -169,7 +170,7 @@ class CheckpointManager:
         try:
             fn()
             error = None
-        except (OSError, RuntimeError, dcp.CheckpointException) as e:
+        except (OSError, RuntimeError, ValueError, dcp.CheckpointException) as e:
             error = e
         self._agree(error)
 
@@ -259,6 +260,7 @@ class CheckpointManager:
             for name, tensor in merged_weights(self.model, DTYPES[hf_dtype]):
                 if self.parallel.is_main:
                     full_state[name] = tensor.cpu()
+            full_state.update((name, buffer.cpu()) for name, buffer in persistent_buffers(self.model) if self.parallel.is_main)
         self._run_on_main(
             lambda: save_hf_folder(
                 os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype

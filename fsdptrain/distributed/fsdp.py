@@ -75,6 +75,15 @@ def full_parameters(
     yield from _gathered(bucket, dtype)
 
 
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each buffer in the model's state dict (an MoE router's score correction bias, say): whole
+    on every rank, unsharded. Non-persistent buffers (rotary frequencies) are the model's to rebuild."""
+    saved = set(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name in saved:
+            yield name, buffer.detach()
+
+
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded parameter (or gradient); a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

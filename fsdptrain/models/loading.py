@@ -32,6 +32,7 @@ from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.dtypes import DTYPES, compute_dtype
 from fsdptrain.errors import ConfigError
 from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matrices, grow_embeddings
+from fsdptrain.models.architecture import Architecture, check_layout, keep_sequences_apart, padded_attention, read_architecture
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.lora import add_adapters
 
@@ -47,6 +48,7 @@ def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: in
     if media:
         raise ConfigError(f"{path_key}={path!r} is a multimodal model ({hf_config.model_type}: {', '.join(media)}); vision-language and "
                           "audio models are not supported: train a text model")
+    check_layout(read_architecture(hf_config), sp_size, "ulysses_sequence_parallel_size")
     if hf_config.num_attention_heads % sp_size:
         raise ConfigError(
             f"ulysses_sequence_parallel_size ({sp_size}) must divide the model's num_attention_heads "
@@ -67,10 +69,8 @@ def load_tokenizer(path: str, path_key: str, config: ModelConfig) -> PreTrainedT
     return tokenizer
 
 
-def attention_implementation(config: ModelConfig, packed: bool) -> str:
-    if packed:
-        return PACKED_ATTENTION
-    return "sdpa" if config.attn_implementation == "auto" else config.attn_implementation
+def attention_implementation(config: ModelConfig, packed: bool, architecture: Architecture) -> str:
+    return PACKED_ATTENTION if packed else padded_attention(architecture, config.attn_implementation)
 
 
 def _add_rows_to_weight_grad(embedding: nn.Embedding, weight: nn.Parameter, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -154,6 +154,18 @@ def say_surprising_keys(model: nn.Module, info: dict, path: str, new_head: bool)
                     f"{len(unused)} of the folder's weight(s) unused ({', '.join(unused[:5]) or 'none'})")
 
 
+def build_on_meta(hf_config: PretrainedConfig, config: ModelConfig, packed: bool, auto_class: type = AutoModelForCausalLM) -> nn.Module:
+    """The model as `hf_config` builds it, on the meta device (no memory), with the attention its rows need: what
+    the trainer shards, and what fsdptrain.check builds to find what cannot run."""
+    architecture = read_architecture(hf_config)
+    with torch.device("meta"):
+        model = auto_class.from_config(hf_config, attn_implementation=attention_implementation(config, packed, architecture),
+                                       trust_remote_code=config.trust_remote_code)
+    if packed and architecture.recurrent_layers:
+        keep_sequences_apart(model)
+    return model
+
+
 def build_model(
     path: str, config: ModelConfig, fsdp: FSDPConfig, hf_config: PretrainedConfig, parallel: Parallel, packed: bool, trainable: bool,
     auto_class: type = AutoModelForCausalLM, lora: LoRASettings | None = None, seed: int = 0, added: AddedTokens | None = None,
@@ -169,12 +181,7 @@ def build_model(
     a language model's freeze_llm, only those matrices train.
     """
     dtype = DTYPES[fsdp.model_dtype] if lora is None else compute_dtype(fsdp.mixed_precision.param_dtype, parallel.device)
-    with torch.device("meta"):
-        model = auto_class.from_config(
-            hf_config,
-            attn_implementation=attention_implementation(config, packed),
-            trust_remote_code=config.trust_remote_code,
-        ).to(dtype)
+    model = build_on_meta(hf_config, config, packed, auto_class).to(dtype)
     if lora is not None:
         add_adapters(model, lora, seed)
     if os.path.isfile(os.path.join(path, "generation_config.json")):

@@ -4,6 +4,7 @@ against its registry and every rule that spans sections or needs the number of r
 one error. The run, its set-up, the step and the loop read the plan; nothing below it reads the config.
 """
 
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -34,6 +35,7 @@ from fsdptrain.data.micro_batches import MicroBatching, validate_micro_batching
 from fsdptrain.distributed.mesh import World, check_fsdp_size, check_sp_divides_world, world_from_environment
 from fsdptrain.dtypes import compute_dtype, warn_if_emulated
 from fsdptrain.errors import ConfigError
+from fsdptrain.models.architecture import Architecture
 from fsdptrain.models.loading import load_tokenizer
 from fsdptrain.rl.actor import ForwardSettings, LossSettings, UpdateSettings
 from fsdptrain.rl.advantages import AdvantageSettings
@@ -58,6 +60,8 @@ from fsdptrain.rl.rollout.beams import read_catalog
 from fsdptrain.rl.rollout_correction import Correction
 from fsdptrain.rl.sampling import FILTER_KEYS, RolloutRequest
 from fsdptrain.trainer.setup import ModelSpec
+
+log = logging.getLogger("fsdptrain")
 
 
 @dataclass(frozen=True)
@@ -701,6 +705,22 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         interactions_file=multi_turn.interaction_config_path if multi_turn.enable else None,
         asynchronous=asynchronous_rollout(config),
     )
+
+
+def fit_to_architecture(plan: GRPOPlan, architecture: Architecture) -> GRPOPlan:
+    """The plan with the paths the policy's `architecture` computes right (models/architecture.py): responses packed
+    whole where a prompt cannot be shared, and the old policy's log-probs from their own pass (eval mode) where the
+    model's dropout would make the update's forward differ from it."""
+    forward, one_pass = plan.forward, plan.one_pass
+    if forward.share_prompts and not architecture.shares_prompts:
+        forward = replace(forward, share_prompts=False)
+        log.info(f"{architecture.model_type} has linear-attention layers: each response is packed with its own prompt "
+                 "(actor_rollout_ref.model.share_prompts taken as false)")
+    if one_pass and architecture.dropout:
+        one_pass = False
+        log.info(f"{architecture.model_type}'s config sets dropout ({', '.join(architecture.dropout)}): the old policy's log-probs are "
+                 "taken by their own pass in eval mode, not from the update's forward")
+    return replace(plan, forward=forward, one_pass=one_pass)
 
 
 def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     Cache,
@@ -21,6 +22,7 @@ from transformers import (
 )
 
 from fsdptrain.distributed.offload import HostCopies, release_cached
+from fsdptrain.models.architecture import read_architecture
 from fsdptrain.models.attention import GROUPED_ATTENTION
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EngineSpec, Generation
 from fsdptrain.rl.rollout.beams import catalog_tree, item_end, read_catalog
@@ -149,7 +151,7 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
         if not going.all():
             keep = going.nonzero().squeeze(1)
             live, chosen, attention_mask, positions = live[keep], chosen[keep], attention_mask[keep], positions[keep]
-            cache.batch_select_indices(keep)
+            cache.reorder_cache(keep)
         if enough is not None and enough(live.tolist()):
             break
         if refresh is not None and (newer := refresh.load()) is not None:  # the live rows so far, prefilled under the new weights
@@ -165,7 +167,11 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
 
 
 def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """The key/value cache of `prompts` left-padded to one width, each one's next-token logits, and the attention mask."""
+    """The key/value cache of `prompts` left-padded to one width, each one's next-token logits, and the attention mask.
+
+    The cache's rows are chosen (repeated, selected) by `reorder_cache`, which every cache layer has, those with a
+    recurrent state (linear attention) included; batch_select_indices and batch_repeat_interleave are key/value
+    layers' only."""
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompts], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
@@ -192,7 +198,7 @@ def generate(
     generations = []
     for distinct, copies in group_batches(prompts, n, batch_size):
         cache, logits, attention_mask = prefill(model, distinct, pad_id)
-        cache.batch_repeat_interleave(copies)
+        cache.reorder_cache(torch.arange(len(distinct), device=logits.device).repeat_interleave(copies))
         batch = [ids for ids in distinct for _ in range(copies)]
         decoded = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0), max_new_tokens,
                          end_ids, pad_id, warp, do_sample, tree, temperature, refresh, batch)
@@ -217,7 +223,7 @@ def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, ma
     for first in range(0, len(prompts), per_search):
         batch = prompts[first : first + per_search]
         cache, logits, attention_mask = prefill(model, batch, pad_id)
-        cache.batch_repeat_interleave(n)
+        cache.reorder_cache(torch.arange(len(batch), device=logits.device).repeat_interleave(n))
         tokens, finished = search_beams(model, cache, logits.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0), n,
                                         max_new_tokens, end_ids, pad_id, tree)
         for row, ids in enumerate(tokens.view(len(batch) * n, -1).tolist()):
@@ -298,7 +304,9 @@ class HFRollout:
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False,
                  free_cache_engine: bool = True, beams: bool = False, catalog_file: str | None = None):
-        attention = GROUPED_ATTENTION if device.type == "cpu" else "sdpa"
+        # SDPA on accelerators where transformers implements the model with it (gpt-oss's sinks it does not)
+        supports_sdpa = read_architecture(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)).supports_sdpa
+        attention = "sdpa" if device.type != "cpu" and supports_sdpa else GROUPED_ATTENTION
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id

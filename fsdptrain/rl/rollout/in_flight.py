@@ -137,7 +137,7 @@ class ResponsePool:
             where = {sequence: i for i, sequence in enumerate(distinct)}
             cache, logits, attention_mask = prefill(engine.model, [list(s) for s in distinct], engine.pad_id)
             index = torch.tensor([where[s] for s in sequences], device=logits.device)
-            cache.batch_select_indices(index)
+            cache.reorder_cache(index)
             budgets = torch.tensor([request.max_new_tokens - len(r.tokens) for _, r in rows])
             decoded = decode(engine.model, cache, logits[index], attention_mask[index], int(budgets.max()), engine.end_ids, engine.pad_id, warp,
                              request.do_sample, temperature=request.temperature, budgets=budgets, enough=self.enough_when(rows, count, wanted),

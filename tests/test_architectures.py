@@ -1,0 +1,249 @@
+"""Every architecture verl's examples name gives, on every path the trainer takes (packed rows, a shared prompt,
+padded rows, the hf rollout engine), the per-token log-probs, loss and gradients of a plain transformers forward of
+each sequence alone (eager attention, float32), or is refused by name before any process starts.
+
+The tiny models (scripts/make_tiny.py's ARCHITECTURES) have sliding windows of 8 tokens, shorter than the test
+sequences, so a path that drops the window (or gpt-oss's sinks, or a recurrent layer's sequence boundaries) fails."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from fsdptrain.check import main as check_main
+from fsdptrain.config.shared import ModelConfig
+from fsdptrain.data.dataset import Sample
+from fsdptrain.data.micro_batches import collate_packed, collate_padded
+from fsdptrain.distributed.mesh import World
+from fsdptrain.models.architecture import read_architecture
+from fsdptrain.models.loading import build_on_meta
+from fsdptrain.models.loss import token_log_probs, token_nll_sum
+from fsdptrain.rl.rollout.hf import HFRollout
+
+import make_tiny
+from conftest import read_metrics, save_tiny_model, sft_args, torchrun
+from test_grpo import grpo_args
+
+ARCHITECTURES = sorted(make_tiny.ARCHITECTURES)
+VOCAB = 1000
+LOADING = ModelConfig(trust_remote_code=False, enable_gradient_checkpointing=False, attn_implementation="auto")
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_folder(request, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny.tiny_model(request.param, VOCAB, seed=0).save_pretrained(path)
+    return str(path)
+
+
+def plain(path: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def as_trained(path: str, packed: bool, reference: torch.nn.Module) -> torch.nn.Module:
+    """The model as the trainer builds it (models/loading.build_on_meta: its attention, its recurrent layers kept
+    per sequence), with the reference's weights and buffers."""
+    model = build_on_meta(AutoConfig.from_pretrained(path), LOADING, packed)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied output layer a tensor of its own
+    model.load_state_dict(reference.state_dict())
+    buffers = dict(reference.named_buffers())
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
+    return model.eval()
+
+
+def groups() -> list[Sample]:
+    """Two prompts (19 and 6 tokens) with responses of 4, 17, 1 and 13, 5 tokens: longer than the windows."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for prompt_length, response_lengths in ((19, (4, 17, 1)), (6, (13, 5))):
+        prompt = torch.randint(3, VOCAB, (prompt_length,), generator=g)
+        for n in response_lengths:
+            ids = torch.cat([prompt, torch.randint(3, VOCAB, (n,), generator=g)])
+            out.append(Sample(ids, (torch.arange(len(ids)) >= prompt_length).long(), {}, prompt_length))
+    return out
+
+
+def reference_log_probs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """log p(ids[t+1] | ids[..t]) of a plain forward of `ids` alone."""
+    return model(input_ids=ids[None]).logits[0, :-1].float().log_softmax(-1).gather(1, ids[1:, None]).squeeze(1)
+
+
+def per_sample(values: torch.Tensor, samples: list[Sample], width: int | None) -> list[torch.Tensor]:
+    """Each sample's trained positions of a flattened batch: packed one after another, or (`width`) padded rows."""
+    out, start = [], 0
+    for row, sample in enumerate(samples):
+        trained = sample.loss_mask[1:].bool()
+        begin = row * width if width else start
+        out.append(values[begin : begin + len(sample) - 1][trained])
+        start += len(sample)
+    return out
+
+
+def test_every_path_gives_a_plain_forwards_log_probs_loss_and_gradients(arch_folder):
+    reference = plain(arch_folder)
+    architecture = read_architecture(reference.config)
+    samples = groups()
+    weights = [torch.linspace(-1, 1, int(s.loss_mask[1:].sum())) for s in samples]
+    expected = [reference_log_probs(reference, s.input_ids)[s.loss_mask[1:].bool()] for s in samples]
+    (-sum((w * e).sum() for w, e in zip(weights, expected))).backward()
+    expected_grads = {name: p.grad for name, p in reference.named_parameters()}
+    expected = [e.detach() for e in expected]
+
+    layouts = {"packed": (True, False), "padded": (False, False)}
+    if architecture.shares_prompts:
+        layouts["shared prompt"] = (True, True)
+    for layout, (packed, share) in layouts.items():
+        model = as_trained(arch_folder, packed, reference)
+        batch = collate_packed(samples, share_prefixes=share) if packed else collate_padded(samples, pad_token_id=0)
+        width = None if packed else batch.inputs["input_ids"].shape[1]
+        labels = batch.targets["labels"]
+        log_probs, _ = token_log_probs(model, batch.inputs, labels, 1.0, chunk_tokens=16, token_rows=batch.token_rows)
+        got = per_sample(log_probs, samples, width)
+        for sample_log_probs, want in zip(got, expected):
+            torch.testing.assert_close(sample_log_probs, want, atol=1e-4, rtol=0, msg=f"{layout}: log-probs")
+        (-sum((w * g).sum() for w, g in zip(weights, got))).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-4, rtol=1e-3, msg=f"{layout}: gradient of {name}")
+        if share:
+            continue
+        with torch.no_grad():  # SFT's summed cross-entropy over the same positions (SFT shares no prompt)
+            nll = token_nll_sum(model, batch.inputs, labels, chunk_tokens=16)
+        torch.testing.assert_close(nll, -sum(e.sum() for e in expected), atol=1e-3, rtol=1e-5, msg=f"{layout}: SFT loss")
+
+
+def test_the_rollout_samples_from_a_plain_forwards_distribution(arch_folder):
+    """The hf engine's prefill, cache copies for n responses, per-row cache selection as rows end (recurrent
+    states included) and left padding give each sampled token a plain forward's log-prob."""
+    reference = plain(arch_folder)
+    engine = HFRollout(arch_folder, torch.device("cpu"), torch.float32, pad_id=0)
+    prompts = [s.input_ids[: s.shared_prefix].tolist() for s in groups()[::3]]
+    torch.manual_seed(0)
+    generations = engine.generate(prompts, n=3, max_new_tokens=14, batch_size=6, calculate_log_probs=True)
+    assert len(generations) == 6 and max(len(g.response_ids) for g in generations) > 8  # past the window
+    for generation in generations:
+        ids = torch.tensor(generation.prompt_ids + generation.response_ids)
+        expected = reference_log_probs(reference, ids)[len(generation.prompt_ids) - 1 :]
+        torch.testing.assert_close(torch.tensor(generation.log_probs), expected.detach(), atol=1e-4, rtol=0)
+
+
+def blind_packed_attention(*args, sliding_window=None, s_aux=None, **kwargs):
+    """The packed attention as it was before it took windows and sinks."""
+    from fsdptrain.models.attention import packed_attention_forward
+
+    return packed_attention_forward(*args, **kwargs)
+
+
+def test_a_path_that_drops_the_window_or_the_sinks_is_caught(tmp_path):
+    """The check above fails on the packed path when its attention ignores a sliding window or the sinks."""
+    from fsdptrain.models import attention
+
+    for arch in ("mistral", "gpt_oss"):
+        folder = tmp_path / arch
+        make_tiny.tiny_model(arch, VOCAB, seed=0).save_pretrained(folder)
+        reference = plain(str(folder))
+        model = as_trained(str(folder), True, reference)
+        sample = groups()[1]
+        batch = collate_packed([sample])
+        expected = reference_log_probs(reference, sample.input_ids)[sample.loss_mask[1:].bool()]
+        transformers.AttentionInterface.register(attention.PACKED_ATTENTION, blind_packed_attention)
+        try:
+            with torch.no_grad():
+                log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16)
+        finally:
+            transformers.AttentionInterface.register(attention.PACKED_ATTENTION, attention.packed_attention_forward)
+        assert (log_probs[:-1][sample.loss_mask[1:].bool()] - expected).abs().max() > 1e-3, arch
+
+
+# ---- the trainers: check, a GRPO step and an SFT step on 2 processes, exports --------------------------------------
+@pytest.fixture(scope="module")
+def text_folders(tmp_path_factory, tokenizer) -> dict[str, str]:
+    """Each architecture's tiny model with SmolLM2's tokenizer, for the trainers' own data."""
+    root = tmp_path_factory.mktemp("architectures")
+    return {arch: save_tiny_model(root / arch, arch, tokenizer) for arch in ARCHITECTURES}
+
+
+def check(trainer: str, args: list[str], capsys) -> tuple[int, str]:
+    code = check_main([trainer, "--device", "cpu", "--nproc-per-node", "2", *args])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_check_passes_every_architecture_and_refuses_what_cannot_run(text_folders, rl_data, chat_data, tmp_path, capsys):
+    for arch, folder in text_folders.items():
+        assert check("grpo", grpo_args(folder, rl_data, str(tmp_path)), capsys)[0] == 0, arch
+    for arch in ("qwen3_next", "gpt_oss", "deepseek_v3", "gemma3_text"):  # SFT builds the same model: the attention variants once more
+        assert check("sft", sft_args(text_folders[arch], chat_data, str(tmp_path)), capsys)[0] == 0, arch
+    code, said = check("grpo", grpo_args(text_folders["qwen3_next"], rl_data, str(tmp_path), actor_rollout_ref__actor__ulysses_sequence_parallel_size=2),
+                       capsys)
+    assert code == 1 and "qwen3_next has linear-attention layers" in said and "ulysses_sequence_parallel_size=1" in said
+    code, said = check("sft", sft_args(text_folders["gpt_oss"], chat_data, str(tmp_path), model__use_remove_padding="false",
+                                       model__attn_implementation="sdpa"), capsys)
+    assert code == 1 and "model.partial_pretrain" in said and "gpt_oss" in said and "scaled_dot_product_attention" in said
+
+
+def test_the_plan_fits_each_architecture(text_folders, rl_data, tmp_path):
+    """Recurrent layers: no shared prompt; dropout in the config: the old log-probs by their own pass (eval mode)."""
+    from fsdptrain.check import composed
+    from fsdptrain.trainer.grpo import read_grpo_inputs
+    from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
+
+    world = World(0, 2, 2, torch.device("cpu"), True)
+    plans = {}
+    for arch in ("llama", "qwen3_next", "seed_oss"):
+        problems: list[str] = []
+        config = read_grpo_config(composed("grpo_trainer", grpo_args(text_folders[arch], rl_data, str(tmp_path))), problems, world)
+        plans[arch] = read_grpo_inputs(*resolve_grpo(config, world)).plan
+    assert plans["llama"].forward.share_prompts and plans["llama"].one_pass
+    assert not plans["qwen3_next"].forward.share_prompts and plans["qwen3_next"].one_pass
+    assert plans["seed_oss"].forward.share_prompts and not plans["seed_oss"].one_pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if arch not in ("llama", "qwen2", "qwen3")])  # those: the rest of the suite
+def test_a_grpo_step_and_an_sft_step_on_two_processes(arch, text_folders, rl_data, chat_data, tmp_path):
+    folder = text_folders[arch]
+    out = str(tmp_path / "grpo")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(folder, rl_data, out, trainer__total_training_steps=1, trainer__test_freq=-1))
+    (step,) = read_metrics(out)
+    assert step["step"] == 1 and 0 < step["actor/grad_norm"] < float("inf"), step
+    out = str(tmp_path / "sft")
+    torchrun(2, "fsdptrain.sft_trainer", sft_args(folder, chat_data, out, trainer__total_training_steps=1, trainer__test_freq=-1))
+    (step,) = read_metrics(out)
+    assert step["step"] == 1 and 0 < step["train/loss"] < float("inf"), step
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "gpt_oss"])
+def test_an_export_reloads_whole_and_gives_the_trained_models_loss(arch, text_folders, chat_data, tmp_path):
+    """hf_model exports every parameter and persistent buffer (an MoE router's score correction bias); the
+    export's validation loss, computed by a plain forward over the samples the trainer read, is the one the
+    trained model logged."""
+    from fsdptrain.check import composed
+    from fsdptrain.trainer.sft import read_sft_inputs
+    from fsdptrain.trainer.sft_plan import plan_sft, read_sft_config
+
+    out = str(tmp_path / "sft")
+    args = sft_args(text_folders[arch], chat_data, out, trainer__total_training_steps=1, trainer__test_freq=1, trainer__save_freq=1,
+                    trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
+    torchrun(2, "fsdptrain.sft_trainer", args)
+    logged = [m["val/loss"] for m in read_metrics(out) if "val/loss" in m][-1]
+    export = Path(out) / "global_step_1" / "huggingface"
+    model, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert any("e_score_correction_bias" in name for name, _ in model.named_buffers()) == (arch != "gpt_oss")
+    world = World(0, 2, 2, torch.device("cpu"), True)
+    val = read_sft_inputs(plan_sft(read_sft_config(composed("sft_trainer", args), [], world))).val
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in val:
+            logits = model.eval()(input_ids=sample.input_ids[None]).logits[0, :-1]
+            trained = sample.loss_mask[1:].bool()
+            nll += float(F.cross_entropy(logits[trained], sample.input_ids[1:][trained], reduction="sum"))
+            tokens += int(trained.sum())
+    assert abs(nll / tokens - logged) < 1e-4, (nll / tokens, logged)
+    assert json.loads((export / "config.json").read_text())["model_type"] == arch
