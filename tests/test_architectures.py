@@ -25,7 +25,7 @@ from fsdptrain.models.loss import token_log_probs, token_nll_sum
 from fsdptrain.rl.rollout.hf import HFRollout
 
 import make_tiny
-from conftest import read_metrics, save_tiny_model, sft_args, torchrun
+from conftest import assert_same_run, read_metrics, run_sft, save_tiny_model, sft_args, torchrun
 from test_grpo import grpo_args
 
 ARCHITECTURES = sorted(make_tiny.ARCHITECTURES)
@@ -247,3 +247,17 @@ def test_an_export_reloads_whole_and_gives_the_trained_models_loss(arch, text_fo
             tokens += int(trained.sum())
     assert abs(nll / tokens - logged) < 1e-4, (nll / tokens, logged)
     assert json.loads((export / "config.json").read_text())["model_type"] == arch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_moe_and_sinks_train_the_same_whatever_the_layout(arch, text_folders, chat_data, tmp_path):
+    """Three SFT steps of an MoE model (experts sharded with their layer) and of gpt-oss (sinks split with their
+    heads under Ulysses, sliding windows): dp2 and sp2 train as one process does (losses, gradient norms, weights)."""
+    runs = {}
+    for name, nproc, sp in (("dp1", 1, 1), ("dp2", 2, 1), ("sp2", 2, 2)):
+        runs[name] = str(tmp_path / name)
+        run_sft(nproc, text_folders[arch], chat_data, runs[name], ulysses_sequence_parallel_size=sp,
+                trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
+    assert_same_run(runs["dp2"], runs["dp1"])
+    assert_same_run(runs["sp2"], runs["dp1"])

@@ -515,16 +515,21 @@ def console_steps(stdout: str) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the examples roll out with vLLM, which is not installed")
-@pytest.mark.parametrize("script", ["ppo_trainer/run_qwen3_8b_fsdp.sh", "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh"],
-                         ids=["ppo", "reward-model"])
+@pytest.mark.parametrize("script", ["ppo_trainer/run_qwen3_8b_fsdp.sh", "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh",
+                                    "grpo_trainer/run_qwen3_30b_a3b_fsdp.sh"], ids=["ppo", "reward-model", "qwen3-moe"])
 def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, vllm_llama, rl_data, script):
-    """verl 0.9.0's PPO (a critic in verl 0.9's critic.fsdp section, padded) and reward-model (verl 0.9's
-    reward.reward_model section) examples as bash computes them, vLLM rollouts, on 2 CPU processes with the launcher,
-    paths and sizes changed: check passes, then a step each (GRPO with the KL loss and the reference offloaded is
-    test_verls_example_trains_two_steps's, on the script it grew from)."""
+    """verl 0.9.0's PPO (a critic in verl 0.9's critic.fsdp section, padded), reward-model (verl 0.9's
+    reward.reward_model section, a windowed Mistral of its own) and Qwen3-30B-A3B (MoE, offloaded) examples as bash
+    computes them, vLLM rollouts, on 2 CPU processes with the launcher, paths, model and sizes changed: check passes,
+    then a step each (GRPO with the KL loss and the reference offloaded is test_verls_example_trains_two_steps's, on
+    the script it grew from)."""
     from test_reward_model import save_reward_model
 
     local = {}
+    vllm_sized = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    if "qwen3_30b_a3b" in script or "skyworkrm" in script:  # a tiny model of the example's own architecture
+        arch = "qwen3_moe" if "qwen3" in script else "mistral"
+        vllm_llama = save_tiny_model(tmp_path / arch, arch, tokenizer, **vllm_sized)
     if script.startswith("ppo"):
         # a padded critic beside the packed actor, as verl's older PPO examples ran it
         local = {"critic.model.path": vllm_llama, "critic.ppo_max_token_len_per_gpu": 512, "critic.model.use_remove_padding": False}
