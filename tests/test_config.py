@@ -281,3 +281,27 @@ def test_the_task_scripts_take_the_machines_dtype_unless_one_is_given(tmp_path):
     for script in ("quickstart.sh", "ppo_arithmetic.sh"):
         text = (REPO / "scripts" / script).read_text()
         assert 'DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}' in text and "DTYPE=${DTYPE:-bf16}" not in text, script
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "sft"])
+def test_a_users_copy_of_the_trainer_yaml_is_read_as_hydra_reads_it(trainer, tiny_llama, rl_data, chat_data, tmp_path, capsys):
+    """`cp fsdptrain/config/grpo_trainer.yaml my.yaml`, edit, `--config-path . --config-name my`: the copy's
+    `defaults` (its `override hydra/job_logging`) are taken as Hydra takes them, its edited values used, and the
+    command line still wins."""
+    from fsdptrain.check import main as check_main
+
+    text = (REPO / "fsdptrain" / "config" / f"{trainer}_trainer.yaml").read_text()
+    if trainer == "grpo":
+        edited, expected = text.replace("max_prompt_length: 512", "max_prompt_length: 200", 1), "(200 prompt + "
+        args = [f"data.train_files={rl_data / 'rl_train.parquet'}", f"actor_rollout_ref.model.path={tiny_llama}", "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    else:
+        edited, expected = text.replace("train_batch_size: 256", "train_batch_size: 8", 1), "a step: 8 samples"
+        args = [f"data.train_files={chat_data['train']}", f"model.partial_pretrain={tiny_llama}", "data.multiturn.enable=true",
+                "data.micro_batch_size_per_gpu=2"]
+    assert edited != text
+    (tmp_path / "my.yaml").write_text(edited)
+    code = check_main([trainer, "--device", "cpu", "--config-path", str(tmp_path), "--config-name", "my", *args])
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert expected in said.out, said.out

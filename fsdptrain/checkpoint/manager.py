@@ -159,7 +159,7 @@ class CheckpointManager:
         failed = torch.tensor([error is not None], dtype=torch.int32, device=self.parallel.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.parallel.group)
         if error is not None:
-            disk = " (is the disk full or not writable?)" if isinstance(error, OSError) else ""
+            disk = " (is the disk full or not writable?)" if isinstance(error, (OSError, dcp.CheckpointException)) else ""
             raise CheckpointError(
                 f"checkpoint save under {self.root} failed{disk}; the previous checkpoint is intact: {str(error).splitlines()[0]}"
             ) from error

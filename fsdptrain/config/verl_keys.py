@@ -94,7 +94,7 @@ def classify(override: str, trainer: str, leaves: set[str], open_mappings: set[s
     key = key.lstrip("+")  # verl's scripts add keys its own schema lacks with `+key=`; here every key is checked alike
     if key.startswith("~"):
         return deletion(key[1:], trainer, leaves, open_mappings, table)
-    if not sep or key.startswith(("hydra.", "-")):
+    if not sep or key.startswith(("hydra.", "hydra/", "-")):  # Hydra's own settings and config groups
         return "passed", "", override
     entry = entry_of(key, table)
     renames = {str(k): v for k, v in (entry or {}).get("values", {}).items()}  # by text: a value may be a mapping ({})
@@ -196,8 +196,8 @@ def config_file(args: list[str]) -> tuple[list[str], list[str], list[str], list[
         document = yaml.safe_load(f) or {}
     overrides = []
     for entry in document.pop("defaults", []):  # verl's trainer config and _self_ are the defaults here; a group picks its option
-        if isinstance(entry, dict):
-            overrides += [f"{group}={option}" for group, option in entry.items()]
+        if isinstance(entry, dict):  # `override` and `optional` say how Hydra merges the pick, which a command line makes anyway
+            overrides += [f"{group.removeprefix('override ').removeprefix('optional ').strip()}={option}" for group, option in entry.items()]
     document.pop("hydra", None)
 
     def walk(node: dict, prefix: str) -> None:
