@@ -187,21 +187,25 @@ def test_check_passes_every_architecture_and_refuses_what_cannot_run(text_folder
     assert code == 1 and "model.partial_pretrain" in said and "gpt_oss" in said and "scaled_dot_product_attention" in said
 
 
-def test_the_plan_fits_each_architecture(text_folders, rl_data, tmp_path):
-    """Recurrent layers: no shared prompt; dropout in the config: the old log-probs by their own pass (eval mode)."""
+def test_the_plan_fits_each_architecture(text_folders, tokenizer, rl_data, tmp_path):
+    """Recurrent layers: no shared prompt; dropout in the config: the old log-probs by their own pass (eval mode); an
+    MoE config asking for its routers' load-balancing loss: that loss, no shared prompt."""
     from fsdptrain.check import composed
     from fsdptrain.trainer.grpo import read_grpo_inputs
     from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
 
     world = World(0, 2, 2, torch.device("cpu"), True)
     plans = {}
-    for arch in ("llama", "qwen3_next", "seed_oss"):
+    folders = {**text_folders, "balanced": save_tiny_model(tmp_path / "balanced", "qwen3_moe", tokenizer, output_router_logits=True)}
+    for arch in ("llama", "qwen3_next", "seed_oss", "qwen3_moe", "balanced"):
         problems: list[str] = []
-        config = read_grpo_config(composed("grpo_trainer", grpo_args(text_folders[arch], rl_data, str(tmp_path))), problems, world)
+        config = read_grpo_config(composed("grpo_trainer", grpo_args(folders[arch], rl_data, str(tmp_path))), problems, world)
         plans[arch] = read_grpo_inputs(*resolve_grpo(config, world)).plan
     assert plans["llama"].forward.share_prompts and plans["llama"].one_pass
     assert not plans["qwen3_next"].forward.share_prompts and plans["qwen3_next"].one_pass
     assert plans["seed_oss"].forward.share_prompts and not plans["seed_oss"].one_pass
+    assert plans["qwen3_moe"].forward.share_prompts and plans["qwen3_moe"].loss.router_balance is None
+    assert not plans["balanced"].forward.share_prompts and plans["balanced"].loss.router_balance.coef == 0.001  # Qwen3-MoE's default
 
 
 @pytest.mark.slow
@@ -251,13 +255,65 @@ def test_an_export_reloads_whole_and_gives_the_trained_models_loss(arch, text_fo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_moe_and_sinks_train_the_same_whatever_the_layout(arch, text_folders, chat_data, tmp_path):
-    """Three SFT steps of an MoE model (experts sharded with their layer) and of gpt-oss (sinks split with their
-    heads under Ulysses, sliding windows): dp2 and sp2 train as one process does (losses, gradient norms, weights)."""
+def test_moe_and_sinks_train_the_same_whatever_the_layout(arch, text_folders, tokenizer, chat_data, tmp_path):
+    """Three SFT steps of Qwen3-MoE (experts sharded with their layer, the routers' load-balancing loss on) and of
+    gpt-oss (sinks split with their heads under Ulysses, sliding windows): dp2 and sp2 train as one process does
+    (losses, the balancing loss, gradient norms, weights)."""
+    folder = text_folders[arch]
+    if arch == "qwen3_moe":
+        folder = save_tiny_model(tmp_path / "balanced", arch, tokenizer, output_router_logits=True, router_aux_loss_coef=0.5)
     runs = {}
     for name, nproc, sp in (("dp1", 1, 1), ("dp2", 2, 1), ("sp2", 2, 2)):
         runs[name] = str(tmp_path / name)
-        run_sft(nproc, text_folders[arch], chat_data, runs[name], ulysses_sequence_parallel_size=sp,
+        run_sft(nproc, folder, chat_data, runs[name], ulysses_sequence_parallel_size=sp, data__micro_batch_size_per_gpu=1 + (name == "dp1"),
                 trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
-    assert_same_run(runs["dp2"], runs["dp1"])
-    assert_same_run(runs["sp2"], runs["dp1"])
+    for name in ("dp2", "sp2"):
+        assert_same_run(runs[name], runs["dp1"])
+        if arch == "qwen3_moe":
+            balancing = [m["train/moe_load_balancing_loss"] for m in read_metrics(runs[name])]
+            assert balancing == pytest.approx([m["train/moe_load_balancing_loss"] for m in read_metrics(runs["dp1"])], abs=1e-6)
+            assert all(1.9 < value < 4 for value in balancing), balancing  # E * sum_e f_e P_e: top_k (2) when balanced, E at worst
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "qwen3_next"])
+def test_each_sequences_load_balancing_loss_is_transformers_own(arch, tmp_path):
+    """models/router_balance.py over packed and padded rows: each sequence's loss and its gradient equal
+    transformers' aux_loss of a plain forward of that sequence alone."""
+    from fsdptrain.models.router_balance import router_balance, sequence_ids, sequence_losses
+
+    make_tiny.tiny_model(arch, VOCAB, seed=0, output_router_logits=True, router_aux_loss_coef=0.01).save_pretrained(tmp_path)
+    reference = plain(str(tmp_path))
+    balance = router_balance(reference.config)
+    assert balance is not None and balance.coef == 0.01
+    samples = groups()
+    expected = [reference(input_ids=s.input_ids[None], output_router_logits=True).aux_loss for s in samples]
+    sum(expected).backward()
+    expected_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    for packed in (True, False):
+        model = as_trained(str(tmp_path), packed, reference)
+        batch = collate_packed(samples) if packed else collate_padded(samples, pad_token_id=0)
+        router = []
+        token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16, router=router)
+        losses = sequence_losses(router, sequence_ids(batch.inputs, len(samples)), len(samples), balance)
+        torch.testing.assert_close(losses, torch.stack(expected).detach(), atol=1e-6, rtol=1e-5)
+        losses.sum().backward()
+        for name, param in model.named_parameters():
+            if name in expected_grads:
+                torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_a_grpo_mini_batch_with_the_balancing_loss_has_the_same_gradient_whatever_the_layout(tmp_path):
+    """The policy loss plus Qwen3-MoE's load-balancing loss: one mini-batch's gradient on one process (packed rows),
+    two (padded rows, one sequence a micro-batch) and a Ulysses group of two, as test_grpo's layout test."""
+    from tests.checks.common import relative_gap
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_model("qwen3_moe", 1024, seed=0, output_router_logits=True, router_aux_loss_coef=0.5).save_pretrained(folder)
+    gradients = {}
+    for name, (nproc, micro, packed, sp) in {"dp1": (1, 8, "true", 1), "dp2-padded": (2, 1, "false", 1), "sp2": (2, 3, "true", 2)}.items():
+        out = str(tmp_path / f"{name}.pt")
+        torchrun(nproc, "tests.checks.grpo_check", [str(folder), out, str(micro), packed, str(sp), "balance"])
+        (gradients[name],) = torch.load(out).values()
+    for name in ("dp2-padded", "sp2"):
+        assert relative_gap(gradients[name], gradients["dp1"]) < 5e-6, name

@@ -13,6 +13,8 @@ models/attention.py's; what needs a decision per model is below:
 - dropout in the model's config (Seed-OSS ships attention and residual dropout) makes the update's forward noisy, so
   the old policy's log-probs are taken by their own pass in eval mode, as verl takes them, not from the update's.
 - a model that transformers' SDPA attention does not support (gpt-oss: its sinks) runs padded rows in eager attention.
+- an MoE model whose config asks for the routers' load-balancing loss (`output_router_logits`) trains with it, per
+  sequence (models/router_balance.py), its prompts packed with each response.
 """
 
 import logging
@@ -26,6 +28,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdptrain.errors import ConfigError
+from fsdptrain.models.router_balance import RouterBalance, router_balance
 
 log = logging.getLogger("fsdptrain")
 
@@ -41,11 +44,13 @@ class Architecture:
     recurrent_layers: bool  # linear-attention layers whose state runs through a sequence
     supports_sdpa: bool  # transformers' SDPA attention implements the model
     dropout: tuple[str, ...]  # the config's dropout keys above 0
+    router_balance: RouterBalance | None  # the MoE routers' load-balancing loss the config asks for
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether a packed row may hold a group's prompt once for its responses."""
-        return not self.recurrent_layers
+        """Whether a packed row may hold a group's prompt once for its responses: not with recurrent layers, nor with
+        a load-balancing loss, which counts each sequence's prompt rows as transformers counts them on it alone."""
+        return not self.recurrent_layers and self.router_balance is None
 
 
 def read_architecture(hf_config: PretrainedConfig) -> Architecture:
@@ -57,6 +62,7 @@ def read_architecture(hf_config: PretrainedConfig) -> Architecture:
         recurrent_layers=LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()),
         supports_sdpa=model_class is None or bool(getattr(model_class, "_supports_sdpa", False)),
         dropout=dropout,
+        router_balance=router_balance(text),
     )
 
 

@@ -19,7 +19,7 @@ the root's parameters (embeddings, final norm, output layer) around it as it doe
 """
 
 from collections.abc import Callable
-from types import MethodType
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -160,17 +160,36 @@ def chunked_token_log_probs(
 
 
 # ---- the model's side: backbone, then a loss over the output layer ------------------------------------------------
-def _forward_head(self: nn.Module, head: Callable[[torch.Tensor, torch.Tensor], Any], **inputs) -> Any:
-    hidden = self.base_model(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)
-    return head(hidden, self.get_output_embeddings().weight)
+def _forward_head(self: nn.Module, head: Callable[[torch.Tensor, torch.Tensor], Any], router: SimpleNamespace, **inputs) -> Any:
+    output = self.base_model(**inputs, use_cache=False)
+    router.logits = getattr(output, "router_logits", None) or ()
+    return head(output.last_hidden_state.flatten(0, 1), self.get_output_embeddings().weight)
 
 
-def forward_head(model: nn.Module, inputs: dict[str, Any], head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
-    """head(last hidden state (T, H) of the flattened batch, output weight (V, H)), inside FSDP's gathered region."""
+def forward_head(model: nn.Module, inputs: dict[str, Any], head: Callable[[torch.Tensor, torch.Tensor], Any], router: list | None = None) -> Any:
+    """head(last hidden state (T, H) of the flattened batch, output weight (V, H)), inside FSDP's gathered region;
+    with a `router` list, each MoE layer's router logits are appended to it."""
     if HEAD_METHOD not in vars(model):
         setattr(model, HEAD_METHOD, MethodType(_forward_head, model))
         register_fsdp_forward_method(model, HEAD_METHOD)  # does nothing on a plain module
-    return getattr(model, HEAD_METHOD)(head, **inputs)
+    # the router logits come back in a namespace: FSDP's forward hooks rebuild lists among the arguments (tree_map)
+    captured = SimpleNamespace(logits=())
+    result = getattr(model, HEAD_METHOD)(head, captured, **inputs)
+    if router is not None:
+        router.extend(captured.logits)
+    return result
+
+
+def full_logits(model: nn.Module, inputs: dict[str, Any], router: list | None) -> torch.Tensor:
+    """The model's logits of the batch; with a `router` list, each MoE layer's router logits appended to it."""
+    output = model(**inputs, use_cache=False)
+    if router is not None:
+        router.extend(output.router_logits)
+    return output.logits
+
+
+def with_router(inputs: dict[str, Any], router: list | None) -> dict[str, Any]:
+    return inputs if router is None else {**inputs, "output_router_logits": True}
 
 
 def supports_chunking(model: nn.Module) -> bool:
@@ -184,17 +203,19 @@ def with_sp_group(inputs: dict[str, Any], sp_group: ProcessGroup | None) -> dict
 
 
 def token_nll_sum(
-    model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int, sp_group: ProcessGroup | None = None
+    model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int, sp_group: ProcessGroup | None = None,
+    router: list | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy (fp32) over the positions whose label is not IGNORE_INDEX; chunked when chunk_tokens > 0.
 
-    With `sp_group` the batch is this rank's sequence slice and the sum covers that slice only.
+    With `sp_group` the batch is this rank's sequence slice and the sum covers that slice only. With a `router`
+    list, each MoE layer's router logits are appended to it (models/router_balance.py).
     """
-    inputs = with_sp_group(inputs, sp_group)
+    inputs = with_router(with_sp_group(inputs, sp_group), router)
     labels = labels.flatten()
     if chunk_tokens and supports_chunking(model):
-        return forward_head(model, inputs, lambda hidden, weight: chunked_cross_entropy_sum(hidden, weight, labels, chunk_tokens))
-    logits = model(**inputs, use_cache=False).logits
+        return forward_head(model, inputs, lambda hidden, weight: chunked_cross_entropy_sum(hidden, weight, labels, chunk_tokens), router)
+    logits = full_logits(model, inputs, router)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -208,14 +229,16 @@ def token_log_probs(
     sp_group: ProcessGroup | None = None,
     token_rows: torch.Tensor | None = None,
     with_sum_pi_squared: bool = False,
+    router: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-prob of each label at `temperature` (fp32, the labels' flattened shape (T,), 0 where the
     label is IGNORE_INDEX), and with `with_entropy` each position's entropy (0 there too), or with
     `with_sum_pi_squared` the sum of its squared probabilities (no gradient), else None.
 
     `token_rows` gives the row position of each label's position where a packed row shares prompts (the
-    micro-batch's `token_rows`); without it the labels are aligned with the flattened batch."""
-    inputs = with_sp_group(inputs, sp_group)
+    micro-batch's `token_rows`); without it the labels are aligned with the flattened batch. With a `router` list,
+    each MoE layer's router logits are appended to it."""
+    inputs = with_router(with_sp_group(inputs, sp_group), router)
     labels = labels.flatten()
     rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
     hidden_rows = rows if token_rows is None else token_rows[rows]
@@ -230,9 +253,9 @@ def token_log_probs(
     if chunk_tokens and supports_chunking(model):
         def head(hidden: torch.Tensor, weight: torch.Tensor):
             return chunked_token_log_probs(hidden[hidden_rows], weight, labels[rows], temperature, chunk_tokens, statistic)
-        log_probs, values = forward_head(model, inputs, head)
+        log_probs, values = forward_head(model, inputs, head, router)
     else:
-        logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[hidden_rows].float() / temperature
+        logits = full_logits(model, inputs, router).flatten(0, 1)[hidden_rows].float() / temperature
         log_softmax = logits.log_softmax(dim=1)
         log_probs = log_softmax.gather(1, labels[rows, None]).squeeze(1)
         values = distribution_statistic(log_softmax, statistic) if statistic else None

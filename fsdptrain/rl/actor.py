@@ -21,6 +21,7 @@ from fsdptrain.distributed.reductions import all_reduce_sum
 from fsdptrain.distributed.ulysses import gather_sequence
 from fsdptrain.models.added_tokens import TrainedRows
 from fsdptrain.models.loss import IGNORE_INDEX, token_log_probs
+from fsdptrain.models.router_balance import RouterBalance, sequence_ids, sequence_losses
 from fsdptrain.optim import clipped_step
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.balance import Dealt, deal_groups, return_token_values
@@ -52,6 +53,7 @@ class LossSettings:
     loss_scale_factor: float | None
     max_response_length: int
     skip_zero_advantage: bool  # only where no term but the policy loss trains a response
+    router_balance: RouterBalance | None = None  # the MoE routers' load-balancing loss, where the model's config asks for it
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,12 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         sft_tokens, mini_tokens = all_reduce_sum([sum(float((s.token_values["sft"] * s.loss_mask)[1:].sum()) for s in mini),
                                                sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
         sums["sft_loss"] = 0.0
+    balance = loss_settings.router_balance
+    if balance is not None:  # each sequence's load-balancing loss weighs coef / (the mini-batch's sequences); its metric
+        # is summed here times the mini-batch's tokens over its sequences, as the update divides every sum by the token count
+        mini_sequences, balance_tokens = all_reduce_sum([len(mini), sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device,
+                                                        parallel.dp_group)
+        sums["moe_load_balancing_loss"] = 0.0
     trained, dealt = samples_to_train(mini, loss_settings.skip_zero_advantage, forward.share_prompts, parallel)
     # sized for the dealt copies' renumbered ids and for mini[0], which the empty pass below forwards
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini + trained)) + 1
@@ -179,8 +187,9 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
     for micro_batch, batch in forward_batches(micro_batches, mini[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
         targets = {k: v.flatten() for k, v in batch.targets.items()}
         mask = (targets["labels"] != IGNORE_INDEX).float() * (0.0 if micro_batch is None else 1.0)
+        router = [] if balance is not None else None
         log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], forward.temperature, forward.chunked_loss_tokens,
-                                             with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows)
+                                             with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows, router=router)
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
         if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
             store_token_values(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
@@ -202,6 +211,11 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
             nll = -log_probs * targets["sft"] * mask
             loss = loss + loss_settings.sft_coef * nll.sum() / max(sft_tokens, 1.0)
             sums["sft_loss"] += float(nll.detach().sum()) * mini_tokens / max(sft_tokens, 1.0)
+        if balance is not None and micro_batch is not None:
+            ids = sequence_ids(batch.inputs, len(micro_batch), parallel.sp_rank, parallel.sp_size)
+            per_sequence = sequence_losses(router, ids, len(micro_batch), balance, parallel.ulysses_group).sum()
+            loss = loss + per_sequence * (balance.coef / (mini_sequences * parallel.sp_size))
+            sums["moe_load_balancing_loss"] += float(per_sequence) * balance_tokens / (mini_sequences * parallel.sp_size)
         (loss * parallel.world_size).backward()  # FSDP averages gradients over ranks
         sums["pg_loss"] += float((pg.detach() * mask).sum())
         sums["pg_clipfrac"] += float(clipped.sum())

@@ -709,18 +709,20 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
 
 def fit_to_architecture(plan: GRPOPlan, architecture: Architecture) -> GRPOPlan:
     """The plan with the paths the policy's `architecture` computes right (models/architecture.py): responses packed
-    whole where a prompt cannot be shared, and the old policy's log-probs from their own pass (eval mode) where the
-    model's dropout would make the update's forward differ from it."""
+    whole where a prompt cannot be shared, the old policy's log-probs from their own pass (eval mode) where the
+    model's dropout would make the update's forward differ from it, and the routers' load-balancing loss where the
+    model's config asks for it."""
     forward, one_pass = plan.forward, plan.one_pass
     if forward.share_prompts and not architecture.shares_prompts:
         forward = replace(forward, share_prompts=False)
-        log.info(f"{architecture.model_type} has linear-attention layers: each response is packed with its own prompt "
-                 "(actor_rollout_ref.model.share_prompts taken as false)")
+        why = "has linear-attention layers" if architecture.recurrent_layers else "trains with its routers' load-balancing loss"
+        log.info(f"{architecture.model_type} {why}: each response is packed with its own prompt (actor_rollout_ref.model.share_prompts "
+                 "taken as false)")
     if one_pass and architecture.dropout:
         one_pass = False
         log.info(f"{architecture.model_type}'s config sets dropout ({', '.join(architecture.dropout)}): the old policy's log-probs are "
                  "taken by their own pass in eval mode, not from the update's forward")
-    return replace(plan, forward=forward, one_pass=one_pass)
+    return replace(plan, forward=forward, one_pass=one_pass, loss=replace(plan.loss, router_balance=architecture.router_balance))
 
 
 def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:

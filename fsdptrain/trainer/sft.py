@@ -18,6 +18,7 @@ from fsdptrain.logging.profiler import profile_step
 from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
+from fsdptrain.models.router_balance import RouterBalance, router_balance, sequence_ids, sequence_losses
 from fsdptrain.optim import clipped_step
 from fsdptrain.trainer.best_model import BestModel
 from fsdptrain.trainer.runtime import log, peak_memory_gb
@@ -25,30 +26,41 @@ from fsdptrain.trainer.setup import StepTimer, claim_run_directory, count_steps,
 from fsdptrain.trainer.sft_plan import SFTPlan
 
 
-def train_step(model: nn.Module, micro_batches: list[list[Sample] | None], plan: SFTPlan, parallel: Parallel, pad_token_id: int) -> list[float]:
-    """Forward and backward of one optimizer step's micro-batches. Returns this rank's [nll sum, tokens, seen tokens].
+def train_step(model: nn.Module, micro_batches: list[list[Sample] | None], plan: SFTPlan, parallel: Parallel, pad_token_id: int,
+               balance: RouterBalance | None = None) -> list[float]:
+    """Forward and backward of one optimizer step's micro-batches. Returns this rank's [nll sum, tokens, seen tokens,
+    summed per-sequence load-balancing loss].
 
     Gradients are those of the loss below; FSDP averages over all ranks, so each rank's loss is scaled by the
     world size. balance_dp_token=true: every loss token of the step weighs 1 / (its global count).
-    false: verl's mean over micro-batches and DP ranks of each micro-batch's token mean.
+    false: verl's mean over micro-batches and DP ranks of each micro-batch's token mean. With the MoE routers'
+    `balance` loss, each sequence's adds coef / (the step's sequences) (models/router_balance.py).
     """
-    (global_tokens,) = all_reduce_sum([sum(loss_tokens(mb) for mb in micro_batches)], parallel.device, parallel.dp_group)
+    global_tokens, global_sequences = all_reduce_sum([sum(loss_tokens(mb) for mb in micro_batches), sum(len(mb or []) for mb in micro_batches)],
+                                                     parallel.device, parallel.dp_group)
     # The nll sum stays on the device until the end: reading it after each backward would make the host wait for
     # the GPU before collating the next micro-batch, leaving the GPU idle meanwhile.
-    nll_total, tokens_total, seen = torch.zeros((), device=parallel.device), 0, 0
+    nll_total, balance_total, tokens_total, seen = torch.zeros((), device=parallel.device), torch.zeros((), device=parallel.device), 0, 0
     for micro_batch in micro_batches:
         batch = collate(micro_batch, plan.model.packed, pad_token_id, parallel)
-        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], plan.chunked_loss_tokens, parallel.ulysses_group)
+        router = [] if balance is not None else None
+        nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], plan.chunked_loss_tokens, parallel.ulysses_group, router)
         tokens = loss_tokens(micro_batch)
         if plan.balance_dp_token:
             denominator = max(global_tokens, 1.0)
         else:
             denominator = max(tokens, 1) * len(micro_batches) * parallel.dp_size
-        (nll * (parallel.world_size / denominator)).backward()
+        loss = nll * (parallel.world_size / denominator)
+        if balance is not None:
+            ids = sequence_ids(batch.inputs, len(micro_batch), parallel.sp_rank, parallel.sp_size)
+            per_sequence = sequence_losses(router, ids, len(micro_batch), balance, parallel.ulysses_group).sum()
+            loss = loss + per_sequence * (balance.coef * parallel.world_size / (global_sequences * parallel.sp_size))
+            balance_total += per_sequence.detach()
+        loss.backward()
         nll_total += nll.detach()
         tokens_total += tokens
         seen += sum(len(s) for s in micro_batch)
-    return [float(nll_total), tokens_total, seen]
+    return [float(nll_total), tokens_total, seen, float(balance_total)]
 
 
 @torch.no_grad()
@@ -106,6 +118,7 @@ def run_sft(plan: SFTPlan) -> None:
     run = open_run(parallel, trainer, plan.model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, added=inputs.added,
                    states={"best_model": best} if watched else None)
     model = run.model
+    balance = router_balance(hf_config)
     batches, batches_epoch = [], -1
     history = []  # this run's steps, for the plots
     with lost_ranks_named(run, trainer.nccl_timeout, "trainer.nccl_timeout"):
@@ -120,10 +133,10 @@ def run_sft(plan: SFTPlan) -> None:
             lr = run.scheduler.get_last_lr()[0]
             with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank), timer("update"):
                 micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
-                local = train_step(model, micro_batches, plan, parallel, tokenizer.pad_token_id)
+                local = train_step(model, micro_batches, plan, parallel, tokenizer.pad_token_id, balance)
                 grad_norm, applied = clipped_step(model, run.optimizer, plan.clip_grad, run.trained_rows)
                 run.scheduler.step()
-            nll_sum, token_sum, seen = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
+            nll_sum, token_sum, seen, balance_sum = all_reduce_sum([local[0], *once_per_sp_group(local[1:], parallel)], parallel.device)
             elapsed = timer.elapsed()
             metrics = {
                 "train/loss": nll_sum / max(token_sum, 1.0),
@@ -134,6 +147,8 @@ def run_sft(plan: SFTPlan) -> None:
                 "perf/tokens_per_sec": seen / elapsed,
                 "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
             }
+            if balance is not None:
+                metrics["train/moe_load_balancing_loss"] = balance_sum / data.train_batch_size
             if val and run.due(step, trainer.test_freq):
                 metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
                 if watched and best.observe(step, metrics["val/loss"]) and trainer.best_model.save:

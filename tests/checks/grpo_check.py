@@ -2,10 +2,11 @@
 written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared; and the old
 log-probs that the one-pass update keeps, checked here against a separate pass.
 
-    python -m torch.distributed.run --nproc_per_node=N -m tests.checks.grpo_check MODEL_DIR OUT MICRO PACKED SP
+    python -m torch.distributed.run --nproc_per_node=N -m tests.checks.grpo_check MODEL_DIR OUT MICRO PACKED SP [balance]
 
 MICRO is sequences per micro-batch, or `default` for the defaults (packed rows filled to a token budget); SP the
-Ulysses group size.
+Ulysses group size. With `balance` (an MoE model whose config asks for its routers' load-balancing loss), only the
+default loss's gradient, that loss included, is written.
 """
 
 import itertools
@@ -17,11 +18,12 @@ from torch.distributed.tensor import DTensor
 
 from fsdptrain.config.grpo import load_grpo_config
 from fsdptrain.distributed.mesh import world_from_environment
+from fsdptrain.models.architecture import read_architecture
 from fsdptrain.models.loading import load_model_config
 from fsdptrain.rl.actor import compute_log_probs, has_advantage, mini_batch_backward
 from fsdptrain.rl.balance import deal_groups
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
-from fsdptrain.trainer.grpo_plan import actor_batching, plan_grpo
+from fsdptrain.trainer.grpo_plan import actor_batching, fit_to_architecture, plan_grpo
 from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
 from tests.checks.common import relative_gap, two_groups
 
@@ -42,12 +44,14 @@ def main() -> None:
                 "data.max_response_length=12", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1", *overrides]))
 
 
-    def plan(*overrides):
-        return plan_grpo(config(*overrides), world_from_environment("cpu"), pad_id=0)
-
-    base, base_plan = config(), plan()
+    base = config()
     parallel = start_run(base.trainer, sp_size=int(sp))
     hf_config = load_model_config(model_dir, "model", base.actor_rollout_ref.model, parallel.sp_size)
+
+    def plan(*overrides):  # as the trainer plans it for this model
+        return fit_to_architecture(plan_grpo(config(*overrides), world_from_environment("cpu"), pad_id=0), read_architecture(hf_config))
+
+    base_plan = plan()
     model = build_sharded_model(model_dir, base.actor_rollout_ref.model, base.actor_rollout_ref.actor.fsdp_config, hf_config, base.trainer,
                                 parallel, packed == "true", trainable=True)
 
@@ -71,6 +75,13 @@ def main() -> None:
                             first_pass_is_old=False)
         return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in model.named_parameters()}
 
+    if sys.argv[6:] == ["balance"]:
+        assert base_plan.loss.router_balance is not None and not base_plan.forward.share_prompts
+        balanced = gradient()
+        if parallel.is_main:
+            torch.save({"vanilla token-mean balance": balanced}, out)
+        end_run()
+        return
     gradients = {
         f"{loss_mode} {agg_mode}": gradient(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                                             f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}", "actor_rollout_ref.actor.entropy_coeff=0.01")
