@@ -83,7 +83,7 @@ ARCHITECTURES = {
                      topk_group=1, n_shared_experts=1),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                         n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                        qk_rope_head_dim=8, head_dim=8, v_head_dim=12),
+                        qk_rope_head_dim=8, head_dim=8, v_head_dim=12, topk_method="noaux_tc"),  # as DeepSeek-V3's own config (vLLM reads it)
     "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24),
 }
 

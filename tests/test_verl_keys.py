@@ -297,7 +297,7 @@ V09_EXAMPLES = EXAMPLES / "verl-0.9.0" / "examples"
 # The FSDP scripts of verl 0.9.0's examples that ask for something not built, and the keys that say so; every
 # other one loads with no problem at all. Vision-language ones load too, and stop at their model or data.
 V09_REFUSED = {
-    "run_qwen3_next_80b_a3b_fsdp.sh": {"actor_rollout_ref.rollout.val_kwargs.top_p", "actor_rollout_ref.model.enable_activation_offload"},
+    "run_qwen3_next_80b_a3b_fsdp.sh": {"actor_rollout_ref.model.enable_activation_offload"},
     "run_minicpm_o_2_6_fsdp.sh": {"data.custom_cls"},
 }
 
@@ -501,6 +501,11 @@ EXAMPLE_SIZES = {"trainer.nnodes": 1, "actor_rollout_ref.rollout.tensor_model_pa
                  "trainer.logger": "[console]", "trainer.save_freq": -1}
 
 
+# verl 0.9.0's FSDP examples of the architectures it names, each with the model type of its tiny stand-in
+EXAMPLE_ARCHITECTURES = {"grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh": "mistral", "grpo_trainer/run_qwen3_30b_a3b_fsdp.sh": "qwen3_moe",
+                         "grpo_trainer/run_seed_oss_36b_fsdp.sh": "seed_oss"}
+
+
 def v09_example(script: str, model: str, data: Path, out: str, **local) -> list[str]:
     """A verl 0.9.0 example's arguments, as bash computes them, with the launcher, paths and sizes changed for 2 CPU
     processes (one rollout engine each)."""
@@ -515,21 +520,22 @@ def console_steps(stdout: str) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the examples roll out with vLLM, which is not installed")
-@pytest.mark.parametrize("script", ["ppo_trainer/run_qwen3_8b_fsdp.sh", "grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh",
-                                    "grpo_trainer/run_qwen3_30b_a3b_fsdp.sh"], ids=["ppo", "reward-model", "qwen3-moe"])
+@pytest.mark.parametrize("script", ["ppo_trainer/run_qwen3_8b_fsdp.sh", *EXAMPLE_ARCHITECTURES],
+                         ids=["ppo", *(EXAMPLE_ARCHITECTURES[script] for script in EXAMPLE_ARCHITECTURES)])
 def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, vllm_llama, rl_data, script):
-    """verl 0.9.0's PPO (a critic in verl 0.9's critic.fsdp section, padded), reward-model (verl 0.9's
-    reward.reward_model section, a windowed Mistral of its own) and Qwen3-30B-A3B (MoE, offloaded) examples as bash
+    """verl 0.9.0's PPO example (a critic in verl 0.9's critic.fsdp section, padded) and its examples of the
+    architectures verl names (a tiny model of each example's own: Qwen3-MoE offloaded, gpt-oss with its sinks and
+    windows, Seed-OSS with its dropout, Mistral-Nemo windowed with verl 0.9's reward.reward_model section) as bash
     computes them, vLLM rollouts, on 2 CPU processes with the launcher, paths, model and sizes changed: check passes,
     then a step each (GRPO with the KL loss and the reference offloaded is test_verls_example_trains_two_steps's, on
     the script it grew from)."""
     from test_reward_model import save_reward_model
 
     local = {}
-    vllm_sized = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
-    if "qwen3_30b_a3b" in script or "skyworkrm" in script:  # a tiny model of the example's own architecture
-        arch = "qwen3_moe" if "qwen3" in script else "mistral"
-        vllm_llama = save_tiny_model(tmp_path / arch, arch, tokenizer, **vllm_sized)
+    if script in EXAMPLE_ARCHITECTURES:  # vLLM's CPU attention needs heads 64 wide
+        arch = EXAMPLE_ARCHITECTURES[script]
+        vllm_llama = save_tiny_model(tmp_path / arch, arch, tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=64)
     if script.startswith("ppo"):
         # a padded critic beside the packed actor, as verl's older PPO examples ran it
         local = {"critic.model.path": vllm_llama, "critic.ppo_max_token_len_per_gpu": 512, "critic.model.use_remove_padding": False}
@@ -544,6 +550,27 @@ def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, vllm_llama, rl_data
     assert [int(step) for step, _ in lines] == [1], result.stdout[-3000:]
     key = "critic/vf_loss" if script.startswith("ppo") else "critic/score/mean"
     assert all(key in line and "actor/pg_loss" in line and "training/rollout_probs_diff_max" in line for _, line in lines), lines
+    if script in EXAMPLE_ARCHITECTURES:  # vLLM samples from the distribution the trainer computes (windows, sinks, dropout off)
+        metrics = dict(item.rsplit(" ", 1) for item in lines[0][1].split(" | "))
+        assert float(metrics["training/rollout_probs_diff_max"]) < 1e-3, metrics["training/rollout_probs_diff_max"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
+def test_verl_09s_gpt_oss_example_is_refused_with_vllm_on_cpu_and_trains_on_the_hf_engine(tmp_path, tokenizer, rl_data, capsys):
+    """vLLM's CPU build computes gpt-oss's log-probs differently from transformers (so from the trainer): check
+    refuses the example as written on CPU, naming the key; with the hf engine, a step trains, its engine's sampling
+    probabilities the trainer's."""
+    model = save_tiny_model(tmp_path / "gpt_oss", "gpt_oss", tokenizer)
+    out = str(tmp_path / "run")
+    args = v09_example("grpo_trainer/run_gpt_oss_20b_fsdp.sh", model, rl_data, out, **{"trainer.total_training_steps": 1, "trainer.test_freq": 1})
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 1
+    said = capsys.readouterr().err
+    assert "vLLM's CPU build computes gpt_oss's token log-probs differently" in said and "rollout.name=hf" in said, said
+    result = torchrun(2, "fsdptrain.grpo_trainer", [*args, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.calculate_log_probs=true"])
+    (line,) = [line for _, line in console_steps(result.stdout)]
+    metrics = dict(item.rsplit(" ", 1) for item in line.split(" | "))
+    assert float(metrics["training/rollout_probs_diff_max"]) < 1e-3, metrics
 
 
 @pytest.mark.slow

@@ -144,6 +144,8 @@ def validate_actor(actor: ActorConfig, packed: bool) -> None:
 class ValKwargsConfig:
     n: int
     temperature: float
+    top_k: int
+    top_p: float
     do_sample: bool
 
 

@@ -642,6 +642,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     rejection = tuple(RejectionRule(*rule) for rule in rejection_options(correction.rollout_rs, correction.rollout_rs_threshold))
     agreement = not bypass and (rollout.calculate_log_probs or derived.engine.always_logs_probs or rollout_is is not None or bool(rejection))
     val = rollout.val_kwargs
+    val_samples = val.do_sample and val.temperature > 0  # else greedy
     multi_turn = rollout.multi_turn
     overlong = config.reward_model.overlong_buffer
     critic = None
@@ -667,8 +668,8 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         request=RolloutRequest(rollout.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu, rollout.temperature,
                                rollout.top_p, rollout.top_k, rollout.do_sample, calculate_log_probs=agreement or bypass),
         validation=RolloutRequest(val.n, data.max_response_length, rollout.log_prob_micro_batch_size_per_gpu,
-                                  val.temperature if val.do_sample and val.temperature > 0 else 1.0, top_p=1.0, top_k=-1,
-                                  do_sample=val.do_sample and val.temperature > 0, calculate_log_probs=False),
+                                  val.temperature if val_samples else 1.0, top_p=val.top_p if val_samples else 1.0,
+                                  top_k=val.top_k if val_samples and val.top_k > 0 else -1, do_sample=val_samples, calculate_log_probs=False),
         filter_metric=algorithm.filter_groups.metric if algorithm.filter_groups.enable else None,
         max_gen_batches=algorithm.filter_groups.max_num_gen_batches,
         score_later=config.reward_model.launch_reward_fn_async,
@@ -712,6 +713,7 @@ def fit_to_architecture(plan: GRPOPlan, architecture: Architecture) -> GRPOPlan:
     whole where a prompt cannot be shared, the old policy's log-probs from their own pass (eval mode) where the
     model's dropout would make the update's forward differ from it, and the routers' load-balancing loss where the
     model's config asks for it."""
+    ROLLOUT_ENGINES.info[plan.engine_name].check_architecture(architecture.model_type, plan.engine.device)
     forward, one_pass = plan.forward, plan.one_pass
     if forward.share_prompts and not architecture.shares_prompts:
         forward = replace(forward, share_prompts=False)

@@ -145,6 +145,10 @@ def no_check(settings: Any, placement: EnginePlacement) -> Any:
     return settings
 
 
+def no_architecture_check(model_type: str, device: torch.device) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """A rollout engine's declaration: its own settings and what it can do. The plan reads the settings' fields
@@ -158,6 +162,7 @@ class EngineInfo:
     always_logs_probs: bool = False  # returns its sampling log-probs on every call: the plan compares them with the trainer's
     package: str | None = None  # the optional package it imports (config.base.PACKAGES), checked before any work
     own_world: bool = False  # builds itself over its process's torch.distributed world: a standalone rollout rank runs it in a process of its own
+    check_architecture: Callable[[str, torch.device], None] = no_architecture_check  # a model type it cannot run right there (ConfigError)
 
 
 def engine_settings(info: EngineInfo, values: Mapping[str, Any]) -> Any:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fsdptrain.config.base import PACKAGES
 from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.errors import ConfigError
-from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EnginePlacement, EngineSpec, Generation
+from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EnginePlacement, EngineSpec, Generation, RolloutEngine
 
 INSTALL = PACKAGES["vllm"][1]
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -223,7 +223,38 @@ class VLLMRollout:
             self.asleep = False
 
 
-@ROLLOUT_ENGINES.register("vllm", info=EngineInfo(EngineSettings, checked_settings, always_logs_probs=True, package="vllm", own_world=True))
-def build_vllm_rollout(spec: EngineSpec) -> VLLMRollout:
+# Model types whose token log-probs vLLM's CPU build computes differently from transformers' (docs/architectures.md):
+# its rollouts would be off-policy by more than rollout correction is for.
+CPU_BUILD_DIFFERS = ("gpt_oss",)
+
+
+def check_architecture(model_type: str, device: torch.device) -> None:
+    if device.type == "cpu" and model_type in CPU_BUILD_DIFFERS:
+        raise ConfigError(f"{ROLLOUT}.name=vllm: vLLM's CPU build computes {model_type}'s token log-probs differently from transformers' (and "
+                          f"so from the trainer's): on CPU set {ROLLOUT}.name=hf")
+
+
+def served_through_transformers(path: str, trust_remote_code: bool) -> bool:
+    """Whether vLLM runs the folder's architecture through its Transformers backend (no model of its own: Seed-OSS,
+    say). That backend rewrites the transformers class it runs (vLLM's torch.compile support added to its bases
+    and __init__) in the process that builds the engine, which breaks the trainer's own models of that class."""
+    from transformers import AutoConfig
+
+    registry = import_vllm().ModelRegistry.models
+    architectures = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
+    return not any(arch in registry and "transformers" not in registry[arch].module_name.split(".") for arch in architectures)
+
+
+@ROLLOUT_ENGINES.register("vllm", info=EngineInfo(EngineSettings, checked_settings, always_logs_probs=True, package="vllm", own_world=True,
+                                                   check_architecture=check_architecture))
+def build_vllm_rollout(spec: EngineSpec) -> RolloutEngine:
+    if spec.distributed and served_through_transformers(spec.path, spec.trust_remote_code):
+        # in a process of its own, as a standalone rollout rank's (its child's engine is not distributed)
+        from fsdptrain.rl.rollout.engine_process import EngineProcess
+
+        if spec.tensor_parallel_size > 1:
+            raise ConfigError(f"{ROLLOUT}.tensor_parallel_size={spec.tensor_parallel_size}: vLLM runs {spec.path!r} through its Transformers "
+                              "backend, which must run in a process of its own here, one engine a rank: set it to 1")
+        return EngineProcess("vllm", spec)
     return VLLMRollout(spec.path, spec.dtype, spec.max_model_len, spec.seed, spec.settings, spec.distributed, trust_remote_code=spec.trust_remote_code,
                        tensor_parallel_size=spec.tensor_parallel_size, free_cache_engine=spec.free_cache_engine)
