@@ -271,6 +271,41 @@ def test_a_response_goes_on_under_the_weights_that_come_while_it_is_drawn(tiny_l
         assert torch.tensor(g.log_probs) == pytest.approx(torch.stack(expected), abs=1e-5)
 
 
+def test_a_request_drawn_in_pieces_tags_each_group_by_the_weights_of_its_first_token(tiny_llama):
+    """A rollout rank draws a request a generation batch at a time (here a group a piece), each piece under the
+    newest weights it holds; weights come in the middle of the second piece and again in the third, at fixed
+    points (the 12th and 20th look between two tokens, not by timing). Each group's version is its oldest token's,
+    not the version the request began under, and so the staleness logged and dumped from it."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdptrain.rl.rollout.hf import WeightsRefresh, end_token_ids, generate
+    from fsdptrain.rl.sampling import group_versions
+
+    engine = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    looks = []
+
+    def load() -> int | None:
+        looks.append(1)
+        if len(looks) not in (12, 20):
+            return None
+        with torch.no_grad():
+            for parameter in engine.parameters():
+                parameter.mul_(1.01)
+        return {12: 1, 20: 2}[len(looks)]
+
+    torch.manual_seed(0)
+    refresh = WeightsRefresh(load, 0)
+    generations = generate(engine, [[5, 6, 7, 8], [9, 10, 11], [12, 13]], n=2, max_new_tokens=8, batch_size=2,
+                           end_ids=end_token_ids(engine, 0), pad_id=0, refresh=refresh)
+    assert all(len(g.versions) == 8 for g in generations)  # a random model runs to the limit: 7 looks a piece
+    versions = group_versions(generations, n=2, started=0)
+    assert versions == [0, 0, 1]  # the third piece began under version 1; the request began under 0
+    for i, version in enumerate(versions):
+        assert version == min(v for g in generations[2 * i : 2 * i + 2] for v in g.versions)
+    assert {v for g in generations[2:4] for v in g.versions} == {0, 1}  # the second piece: its tokens of both
+    assert {v for g in generations[4:] for v in g.versions} == {1, 2}
+
+
 def test_a_vllm_response_goes_on_under_the_weights_that_come_while_it_is_drawn(vllm_llama):
     """Partial rollouts on a rollout rank's vLLM engine (in its own process): new weights sent while it generates
     stop its requests, are loaded, and the requests go on from their tokens so far. Each token's sampling log-prob

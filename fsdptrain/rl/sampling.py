@@ -123,6 +123,15 @@ def generate(engine: RolloutEngine, loops: "dict[str, Loop]", prompts: Sequence[
     return generations
 
 
+def group_versions(generations: Sequence[Generation], n: int, started: int) -> list[int]:
+    """Each group's (`n` responses in a row) policy version: that of the weights that drew its oldest token, a
+    response's first (a rollout rank draws a request in pieces, each under the newest weights it holds, and newer
+    weights may come while a piece is drawn); `started`, the version the request began under, where the engine
+    tags no token (a multi-turn trajectory, an empty response)."""
+    firsts = [g.versions[0] if g.versions else started for g in generations]
+    return [min(firsts[i : i + n]) for i in range(0, len(firsts), n)]
+
+
 def with_answers(generations: list[Generation], prompts: Sequence[Prompt], n: int, answer_ids: Callable[[Prompt], list[int]]) -> list[Generation]:
     """MiniOneRec's add_gt: each group (n in a row) that lacks its prompt's answer (`answer_ids`: the ground truth's
     tokens and an end token) holds it in place of its last member (in beam search, the lowest-scoring beam)."""
@@ -216,7 +225,7 @@ class GroupSampler:
             else:
                 result = self.remote.batch(number, lambda ahead: (self.batch_prompts(ahead), self.batch_seed(ahead)), request,
                                            lambda ahead: ahead - self.step_start)
-                generations, versions = result.generations, [result.version] * len(prompts)
+                generations, versions = result.generations, group_versions(result.generations, request.n, result.version)
         if self.answer_ids is not None:
             generations = with_answers(generations, prompts, request.n, self.answer_ids)
         ids, scored = group_ids(len(prompts), request.n), []

@@ -85,7 +85,7 @@ class GenerateRequest:
 class GenerateResult:
     key: int
     generations: list[Generation]
-    version: int  # the policy version that generated them
+    version: int  # the policy version held when they began (sampling.group_versions: a group's is its first token's)
     idle_s: float  # the rollout rank's time waiting for requests or weights since its previous result
 
 
@@ -282,7 +282,7 @@ class RolloutServer:
             fault_point("rollout", request.key + 1)  # a training batch, by the step it is expected at
         if request.seed is not None:
             torch.manual_seed(request.seed)
-        started = self.version  # the oldest version of any token of the answer
+        started = self.version  # each token carries the version that drew it; this one stands in where none is tagged
         send_object(GenerateResult(request.key, self.generate(request.prompts, request.request), started, self.idle), sender, self.sends)
         self.idle = 0.0
 
