@@ -5,6 +5,7 @@ each sequence alone (eager attention, float32), or is refused by name before any
 The tiny models (scripts/make_tiny.py's ARCHITECTURES) have sliding windows of 8 tokens, shorter than the test
 sequences, so a path that drops the window (or gpt-oss's sinks, or a recurrent layer's sequence boundaries) fails."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -185,6 +186,10 @@ def test_check_passes_every_architecture_and_refuses_what_cannot_run(text_folder
     code, said = check("sft", sft_args(text_folders["gpt_oss"], chat_data, str(tmp_path), model__use_remove_padding="false",
                                        model__attn_implementation="sdpa"), capsys)
     assert code == 1 and "model.partial_pretrain" in said and "gpt_oss" in said and "scaled_dot_product_attention" in said
+    if importlib.util.find_spec("vllm") is not None:  # what vLLM's CPU build cannot run as the trainer computes it
+        for arch, why in (("gpt_oss", "computes gpt_oss's token log-probs differently"), ("qwen3_next", "linear attention in bf16 only")):
+            code, said = check("grpo", grpo_args(text_folders[arch], rl_data, str(tmp_path), actor_rollout_ref__rollout__name="vllm"), capsys)
+            assert code == 1 and why in said and "rollout.name=hf" in said, said
 
 
 def test_the_plan_fits_each_architecture(text_folders, tokenizer, rl_data, tmp_path):

@@ -709,11 +709,12 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
 
 
 def fit_to_architecture(plan: GRPOPlan, architecture: Architecture) -> GRPOPlan:
-    """The plan with the paths the policy's `architecture` computes right (models/architecture.py): responses packed
+    """The plan with the paths the policy's `architecture` computes right (models/architecture.py), its engine's
+    refusal of a model type it cannot run as the trainer computes it, responses packed
     whole where a prompt cannot be shared, the old policy's log-probs from their own pass (eval mode) where the
     model's dropout would make the update's forward differ from it, and the routers' load-balancing loss where the
     model's config asks for it."""
-    ROLLOUT_ENGINES.info[plan.engine_name].check_architecture(architecture.model_type, plan.engine.device)
+    ROLLOUT_ENGINES.info[plan.engine_name].check_architecture(architecture.model_type, plan.engine)
     forward, one_pass = plan.forward, plan.one_pass
     if forward.share_prompts and not architecture.shares_prompts:
         forward = replace(forward, share_prompts=False)

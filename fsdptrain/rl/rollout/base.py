@@ -145,7 +145,7 @@ def no_check(settings: Any, placement: EnginePlacement) -> Any:
     return settings
 
 
-def no_architecture_check(model_type: str, device: torch.device) -> None:
+def no_architecture_check(model_type: str, spec: "EngineSpec") -> None:
     return None
 
 
@@ -162,7 +162,7 @@ class EngineInfo:
     always_logs_probs: bool = False  # returns its sampling log-probs on every call: the plan compares them with the trainer's
     package: str | None = None  # the optional package it imports (config.base.PACKAGES), checked before any work
     own_world: bool = False  # builds itself over its process's torch.distributed world: a standalone rollout rank runs it in a process of its own
-    check_architecture: Callable[[str, torch.device], None] = no_architecture_check  # a model type it cannot run right there (ConfigError)
+    check_architecture: Callable[[str, "EngineSpec"], None] = no_architecture_check  # a model type it cannot run right as specified (ConfigError)
 
 
 def engine_settings(info: EngineInfo, values: Mapping[str, Any]) -> Any:

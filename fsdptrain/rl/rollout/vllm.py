@@ -223,15 +223,22 @@ class VLLMRollout:
             self.asleep = False
 
 
-# Model types whose token log-probs vLLM's CPU build computes differently from transformers' (docs/architectures.md):
-# its rollouts would be off-policy by more than rollout correction is for.
+# Model types vLLM's CPU build cannot run as the trainer computes them (docs/architectures.md): gpt-oss's experts
+# give other log-probs than transformers'; Qwen3-Next's linear attention runs in bf16 alone.
 CPU_BUILD_DIFFERS = ("gpt_oss",)
+CPU_BUILD_BF16_ONLY = ("qwen3_next",)
 
 
-def check_architecture(model_type: str, device: torch.device) -> None:
-    if device.type == "cpu" and model_type in CPU_BUILD_DIFFERS:
+def check_architecture(model_type: str, spec: EngineSpec) -> None:
+    if spec.device.type != "cpu":
+        return
+    if model_type in CPU_BUILD_DIFFERS:
         raise ConfigError(f"{ROLLOUT}.name=vllm: vLLM's CPU build computes {model_type}'s token log-probs differently from transformers' (and "
                           f"so from the trainer's): on CPU set {ROLLOUT}.name=hf")
+    if model_type in CPU_BUILD_BF16_ONLY and spec.dtype != torch.bfloat16:
+        raise ConfigError(f"{ROLLOUT}.name=vllm: vLLM's CPU build runs {model_type}'s linear attention in bf16 only, and this run's engine "
+                          f"would run in {str(spec.dtype).removeprefix('torch.')} (the actor's compute dtype, actor_rollout_ref.actor.fsdp_config."
+                          f"mixed_precision.param_dtype): set that to bf16, or {ROLLOUT}.name=hf")
 
 
 def served_through_transformers(path: str, trust_remote_code: bool) -> bool:
