@@ -180,9 +180,6 @@ def test_check_passes_every_architecture_and_refuses_what_cannot_run(text_folder
         assert check("grpo", grpo_args(folder, rl_data, str(tmp_path)), capsys)[0] == 0, arch
     for arch in ("qwen3_next", "gpt_oss", "deepseek_v3", "gemma3_text"):  # SFT builds the same model: the attention variants once more
         assert check("sft", sft_args(text_folders[arch], chat_data, str(tmp_path)), capsys)[0] == 0, arch
-    code, said = check("grpo", grpo_args(text_folders["qwen3_next"], rl_data, str(tmp_path), actor_rollout_ref__actor__ulysses_sequence_parallel_size=2),
-                       capsys)
-    assert code == 1 and "qwen3_next has linear-attention layers" in said and "ulysses_sequence_parallel_size=1" in said
     code, said = check("sft", sft_args(text_folders["gpt_oss"], chat_data, str(tmp_path), model__use_remove_padding="false",
                                        model__attn_implementation="sdpa"), capsys)
     assert code == 1 and "model.partial_pretrain" in said and "gpt_oss" in said and "scaled_dot_product_attention" in said
@@ -259,11 +256,12 @@ def test_an_export_reloads_whole_and_gives_the_trained_models_loss(arch, text_fo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_moe_and_sinks_train_the_same_whatever_the_layout(arch, text_folders, tokenizer, chat_data, tmp_path):
-    """Three SFT steps of Qwen3-MoE (experts sharded with their layer, the routers' load-balancing loss on) and of
-    gpt-oss (sinks split with their heads under Ulysses, sliding windows): dp2 and sp2 train as one process does
-    (losses, the balancing loss, gradient norms, weights)."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "qwen3_next"])
+def test_moe_sinks_and_linear_attention_train_the_same_whatever_the_layout(arch, text_folders, tokenizer, chat_data, tmp_path):
+    """Three SFT steps of Qwen3-MoE (experts sharded with their layer, the routers' load-balancing loss on), of
+    gpt-oss (sinks split with their heads under Ulysses, sliding windows) and of Qwen3-Next (linear-attention layers
+    one sequence at a time, the whole row gathered under Ulysses): dp2 and sp2 train as one process does (losses,
+    the balancing loss, gradient norms, weights)."""
     folder = text_folders[arch]
     if arch == "qwen3_moe":
         folder = save_tiny_model(tmp_path / "balanced", arch, tokenizer, output_router_logits=True, router_aux_loss_coef=0.5)
@@ -273,7 +271,10 @@ def test_moe_and_sinks_train_the_same_whatever_the_layout(arch, text_folders, to
         run_sft(nproc, folder, chat_data, runs[name], ulysses_sequence_parallel_size=sp, data__micro_batch_size_per_gpu=1 + (name == "dp1"),
                 trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
     for name in ("dp2", "sp2"):
-        assert_same_run(runs[name], runs["dp1"])
+        # Qwen3-Next under Ulysses: each rank runs the linear-attention layers over the whole row and their weights'
+        # gradients are summed from the slices, in another order; AdamW's first steps scale such differences in
+        # the smallest gradients (A_log's) up to 2e-5
+        assert_same_run(runs[name], runs["dp1"], atol=1e-4 if (arch, name) == ("qwen3_next", "sp2") else 1e-5)
         if arch == "qwen3_moe":
             balancing = [m["train/moe_load_balancing_loss"] for m in read_metrics(runs[name])]
             assert balancing == pytest.approx([m["train/moe_load_balancing_loss"] for m in read_metrics(runs["dp1"])], abs=1e-6)

@@ -8,8 +8,8 @@ models/attention.py's; what needs a decision per model is below:
 
 - layers with a recurrent state (hybrid linear attention: Qwen3-Next's gated delta rule) carry each sequence's state
   from its first token to its last. Packed rows run them one sequence at a time (keep_sequences_apart); a shared
-  prompt would have to hand its state to each response, so its responses are packed whole instead; under Ulysses a
-  rank holds a slice of each sequence, so that is refused.
+  prompt would have to hand its state to each response, so its responses are packed whole instead; under Ulysses
+  these layers gather the whole row.
 - dropout in the model's config (Seed-OSS ships attention and residual dropout) makes the update's forward noisy, so
   the old policy's log-probs are taken by their own pass in eval mode, as verl takes them, not from the update's.
 - a model that transformers' SDPA attention does not support (gpt-oss: its sinks) runs padded rows in eager attention.
@@ -17,20 +17,18 @@ models/attention.py's; what needs a decision per model is below:
   sequence (models/router_balance.py), its prompts packed with each response.
 """
 
-import logging
 from dataclasses import dataclass
 from functools import partial
 from types import MethodType
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from fsdptrain.errors import ConfigError
 from fsdptrain.models.router_balance import RouterBalance, router_balance
-
-log = logging.getLogger("fsdptrain")
 
 LINEAR_ATTENTION = "linear_attention"
 # transformers' names for dropout probabilities in model configs; classifier_dropout is a head's (the critic's is set to 0)
@@ -74,38 +72,38 @@ def padded_attention(architecture: Architecture, asked: str) -> str:
     return "sdpa" if architecture.supports_sdpa else "eager"
 
 
-def check_layout(architecture: Architecture, sp_size: int, sp_key: str) -> None:
-    """Refuse a parallel layout the architecture cannot be computed right under."""
-    if architecture.recurrent_layers and sp_size > 1:
-        raise ConfigError(f"{sp_key}={sp_size}: {architecture.model_type} has linear-attention layers, whose recurrent state runs through "
-                          f"each whole sequence, and Ulysses gives a rank a slice of it: set {sp_key}=1")
-
-
 # ---- recurrent layers over packed rows ----------------------------------------------------------------------------
-PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "key_rows", "position_ids")
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "key_rows", "position_ids", "sp_group")
 
 
 def keep_sequences_apart(model: nn.Module) -> None:
     """Run each linear-attention mixer of `model` (a decoder layer's `linear_attn`) one packed sequence at a time.
 
     The sequence boundaries reach the mixer from its decoder layer's keyword arguments (`cu_seq_lens_q`, which the
-    trainer's packed rows carry) through a pre-hook: not every transformers version passes them on to the mixer."""
+    trainer's packed rows carry) through a pre-hook: not every transformers version passes them on to the mixer.
+    Under Ulysses (`sp_group` among them) a rank holds a slice of the row: the mixer gathers the whole row (its
+    gradient summed back to each slice's rank), runs every sequence, and keeps its slice of the output."""
     for layer in model.modules():
         mixer = getattr(layer, "linear_attn", None)
         if isinstance(mixer, nn.Module):
-            mixer.packed_boundaries = None
+            mixer.packed_boundaries, mixer.packed_sp_group = None, None
             layer.register_forward_pre_hook(partial(_note_boundaries, mixer), with_kwargs=True)
             mixer.forward = MethodType(partial(_per_sequence, type(mixer).forward), mixer)
 
 
 def _note_boundaries(mixer: nn.Module, layer: nn.Module, args: tuple, kwargs: dict) -> None:
-    mixer.packed_boundaries = kwargs.get("cu_seq_lens_q")
+    mixer.packed_boundaries, mixer.packed_sp_group = kwargs.get("cu_seq_lens_q"), kwargs.get("sp_group")
 
 
 def _per_sequence(forward, mixer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    boundaries = mixer.packed_boundaries
+    boundaries, group = mixer.packed_boundaries, mixer.packed_sp_group
     if boundaries is None:
         return forward(mixer, hidden_states, *args, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in PACKED_KWARGS}
+    row = hidden_states if group is None else torch.cat(dist_nn.all_gather(hidden_states.contiguous(), group=group), dim=1)
     lengths = (boundaries[1:] - boundaries[:-1]).tolist()
-    return torch.cat([forward(mixer, piece, *args, **kwargs) for piece in hidden_states.split(lengths, dim=1)], dim=1)
+    output = torch.cat([forward(mixer, piece, *args, **kwargs) for piece in row.split(lengths, dim=1)], dim=1)
+    if group is None:
+        return output
+    width = hidden_states.shape[1]
+    return output[:, dist.get_rank(group) * width : (dist.get_rank(group) + 1) * width]

@@ -32,7 +32,7 @@ from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.dtypes import DTYPES, compute_dtype
 from fsdptrain.errors import ConfigError
 from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matrices, grow_embeddings
-from fsdptrain.models.architecture import Architecture, check_layout, keep_sequences_apart, padded_attention, read_architecture
+from fsdptrain.models.architecture import Architecture, keep_sequences_apart, padded_attention, read_architecture
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.lora import add_adapters
 
@@ -48,7 +48,6 @@ def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: in
     if media:
         raise ConfigError(f"{path_key}={path!r} is a multimodal model ({hf_config.model_type}: {', '.join(media)}); vision-language and "
                           "audio models are not supported: train a text model")
-    check_layout(read_architecture(hf_config), sp_size, "ulysses_sequence_parallel_size")
     if hf_config.num_attention_heads % sp_size:
         raise ConfigError(
             f"ulysses_sequence_parallel_size ({sp_size}) must divide the model's num_attention_heads "
