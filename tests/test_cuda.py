@@ -114,6 +114,15 @@ def test_cuda_offload_and_checkpointing_match(tmp_path, tiny_llama, chat_data, c
     assert losses(str(tmp_path)) == pytest.approx(losses(cuda_fp32_run), abs=1e-5)
 
 
+@pytest.mark.parametrize("checkpointing", ["true", "false"])
+def test_activation_offload_trains_the_same(tmp_path, tiny_llama, chat_data, cuda_fp32_run, checkpointing):
+    """enable_activation_offload: each layer's checkpointed input (or, without checkpointing, everything it saves)
+    waits in host memory; the losses are the run's without it."""
+    run_sft(1, tiny_llama, chat_data, str(tmp_path), trainer__total_training_steps=4, model__enable_activation_offload="true",
+            model__enable_gradient_checkpointing=checkpointing, **CUDA_FP32)
+    assert losses(str(tmp_path)) == pytest.approx(losses(cuda_fp32_run), abs=1e-5)
+
+
 def test_cuda_resume_matches_the_straight_run(tmp_path, tiny_llama, chat_data, cuda_fp32_run):
     out = str(tmp_path / "run")
     run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2, trainer__save_freq=2, **CUDA_FP32)

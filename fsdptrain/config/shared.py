@@ -1,7 +1,7 @@
 """The config sections both trainers share (SFT keeps them at the top level, GRPO under actor_rollout_ref.*), each
 followed by its validation, which takes the section's key prefix so that an error names the user's key."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fsdptrain.config.base import PACKAGES, as_path_list, check_all, one_of, positive
@@ -47,6 +47,7 @@ class ModelConfig:
     trust_remote_code: bool
     enable_gradient_checkpointing: bool
     attn_implementation: str
+    enable_activation_offload: bool = field(default=False, kw_only=True)  # a trained model's layers keep their activations in host memory
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,17 @@ live in host memory for good, each layer is copied in for its passes and the opt
 On a CPU device nothing moves: nothing is on an accelerator.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from fsdptrain.distributed.fsdp import decoder_layers
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -127,3 +132,41 @@ class PhaseOffload:
     def optimizer_back(self) -> None:
         if self.parked_optimizer.away:
             self.parked_optimizer.restore(on_accelerator(optimizer_tensors(self.optimizer)))
+
+
+# ---- activations ---------------------------------------------------------------------------------------------------
+def offload_activations(model: nn.Module, device: torch.device) -> None:
+    """verl's enable_activation_offload: what each decoder layer keeps for its backward waits in host memory.
+
+    Under gradient checkpointing a layer keeps only its input, which the checkpoint holds until the backward: the
+    checkpoint is handed a host copy, and the layer copies it back at the start of its forward and of its
+    recomputation. Without checkpointing, every tensor the layer saves for its backward is packed into host memory
+    (torch's save_on_cpu) and unpacked in the backward. On a CPU device activations already are in host memory:
+    nothing moves."""
+    if device.type == "cpu":
+        return
+    pin = device.type == "cuda"
+    for layer in decoder_layers(model):
+        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and checkpoint is not None:
+            layer._gradient_checkpointing_func = partial(checkpoint_from_host, checkpoint)
+        else:
+            layer.register_forward_pre_hook(partial(_pack_to_host, pin))
+            layer.register_forward_hook(_stop_packing, always_call=True)
+
+
+def checkpoint_from_host(checkpoint: Callable, function: Callable, hidden_states: torch.Tensor | None = None, *args: Any) -> Any:
+    """`checkpoint(function, hidden_states, *args)` holding a host copy of the layer's input in place of it."""
+    if hidden_states is None or not hidden_states.is_floating_point() or hidden_states.device.type == "cpu":
+        return checkpoint(function, *([] if hidden_states is None else [hidden_states]), *args)
+    device = hidden_states.device
+    return checkpoint(lambda host, *rest: function(host.to(device, non_blocking=True), *rest), hidden_states.to("cpu"), *args)
+
+
+def _pack_to_host(pin: bool, layer: nn.Module, args: tuple) -> None:
+    layer.packing_to_host = torch.autograd.graph.save_on_cpu(pin_memory=pin)
+    layer.packing_to_host.__enter__()
+
+
+def _stop_packing(layer: nn.Module, args: tuple, output: Any) -> None:
+    layer.packing_to_host.__exit__(None, None, None)

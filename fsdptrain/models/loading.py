@@ -29,6 +29,7 @@ from transformers import (
 from fsdptrain.config.shared import FSDPConfig, LanguageModelConfig, LoRASettings, ModelConfig
 from fsdptrain.distributed.fsdp import apply_fsdp, embeddings_tied
 from fsdptrain.distributed.mesh import Parallel
+from fsdptrain.distributed.offload import offload_activations
 from fsdptrain.dtypes import DTYPES, compute_dtype
 from fsdptrain.errors import ConfigError
 from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matrices, grow_embeddings
@@ -195,6 +196,8 @@ def build_model(
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainable and config.enable_activation_offload:
+        offload_activations(model, parallel.device)
     apply_fsdp(model, parallel.sharding_mesh(fsdp.fsdp_size), fsdp, parallel.device)
     model.to_empty(device="cpu" if fsdp.cpu_offload else parallel.device)
 
