@@ -49,7 +49,8 @@ def runs(tmp_path_factory, tiny_llama, rl_data):
     for name, overrides in RUNS.items():
         out = str(tmp_path_factory.mktemp(name))
         if overrides.get("algorithm__adv_estimator") == "gdpo":  # verl main's spelling: entries of the reward function's dict
-            overrides = {**overrides, "algorithm__gdpo_reward_keys": "[score,length]", "algorithm__gdpo_reward_weights": "[1.0,0.5]"}
+            overrides = {**overrides, "algorithm__gdpo_reward_keys": "[score,length]", "algorithm__gdpo_reward_weights": "[1.0,0.5]",
+                         "reward__reward_manager__name": "gdpo"}  # and its reward manager
         torchrun(2, "fsdptrain.grpo_trainer", grpo_args(tiny_llama, rl_data, out, trainer__rollout_data_dir=f"{out}/rollouts",
                                                         trainer__test_freq=-1, **overrides))
         outs[name] = out

@@ -38,6 +38,31 @@ def test_sources_are_weighted_and_kept_apart():
         broken("gsm8k", "x", "1")
 
 
+def test_the_gdpo_reward_manager_names_the_experiment_to_each_call(tmp_path, tiny_llama):
+    """reward.reward_manager.name=gdpo, as verl 0.9.1's GDPO reward manager: each call's extra_info also holds
+    trainer.experiment_name, and the function's dict reaches GDPO whole (its entries by gdpo_reward_keys); naive
+    adds nothing; another name is refused naming the key."""
+    from hydra import compose, initialize_config_module
+
+    from fsdptrain.distributed.mesh import World
+    from fsdptrain.trainer.grpo import build_reward_function
+    from fsdptrain.trainer.grpo_plan import read_grpo_config, reward_plan
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': 1.0, 'named': float(extra_info.get('experiment_name') == 'gdpo_demo'), 'length': len(solution_str)}\n")
+    world = World(0, 1, 1, torch.device("cpu"), True)
+    for manager, named in (("gdpo", 1.0), ("naive", 0.0)):
+        overrides = ["data.train_files=unused.parquet", f"actor_rollout_ref.model.path={tiny_llama}", "trainer.device=cpu",
+                     "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[named,length]", f"custom_reward_function.path={reward}",
+                     f"reward.reward_manager.name={manager}", "trainer.experiment_name=gdpo_demo"]
+        with initialize_config_module(config_module="fsdptrain.config", version_base=None):
+            config = read_grpo_config(compose(config_name="grpo_trainer", overrides=overrides), [], world)
+        scores = build_reward_function(reward_plan(config))("src", "an answer", "1", {"row": 3})
+        assert scores["source/named"] == named and scores["source/length"] == 9.0 and scores["score"] == 1.0
+    assert "reward.reward_manager.name must be one of naive|gdpo" in grpo_config_problems("reward.reward_manager.name=batch")
+
+
 def test_running_moments_equal_welford_one_value_at_a_time():
     rng = np.random.default_rng(0)
     batches = [rng.normal(3.0, 2.0, size) for size in (1, 7, 64, 3, 250, 2)]

@@ -488,8 +488,14 @@ class RewardSourceConfig:
 
 
 @dataclass
+class RewardManagerConfig:
+    name: str  # naive | gdpo (verl's reward loop managers; gdpo's calls also name the experiment in extra_info)
+
+
+@dataclass
 class RewardConfig:
     custom_reward_function: CustomRewardConfig
+    reward_manager: RewardManagerConfig
     sources: list[RewardSourceConfig]
 
 
@@ -651,6 +657,7 @@ def own_checks(config: GRPOConfig) -> list[Callable[[], None]]:
         lambda: validate_reward_shaping(config.algorithm),
         lambda: validate_reward_model(config.reward_model, data.max_response_length),
         lambda: validate_reward_sources(config.reward.sources),
+        lambda: one_of("reward.reward_manager.name", config.reward.reward_manager.name, ("naive", "gdpo")),
     ]
 
 

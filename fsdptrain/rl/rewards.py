@@ -238,6 +238,15 @@ def entry_sources(fn: RewardFn, keys: Sequence[str]) -> RewardFn:
     return compute_score
 
 
+def with_extra_info(fn: RewardFn, extra: dict[str, Any]) -> RewardFn:
+    """`fn`, each call's extra_info gaining `extra` (verl's GDPO reward manager's trainer.experiment_name)."""
+
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> Any:
+        return fn(data_source, solution_str, ground_truth, {**(extra_info or {}), **extra})
+
+    return compute_score
+
+
 def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: Any, extra_info: dict | None, sample: str) -> dict:
     """The reward of one sample as a dict with a float `score` (and `acc`: the given one, else score > 0); a failure
     or a result that is not a finite number raises naming the sample, never a silent 0."""

@@ -53,6 +53,7 @@ from fsdptrain.rl.rewards import (
     load_reward_sources,
     no_reward,
     weighted_sources,
+    with_extra_info,
 )
 from fsdptrain.rl.rollout import build_rollout, engine_index, sync_weights
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, Generation, RolloutEngine
@@ -373,14 +374,17 @@ def record_step(step: int, result: StepResult, timer: StepTimer, history: list[d
 
 def build_reward_function(reward: RewardPlan) -> RewardFn:
     """The per-response reward: reward.sources weighted, else the custom (or built-in) function, whole or as the
-    entries algorithm.gdpo_reward_keys names; none where a reward model or server scores alone."""
+    entries algorithm.gdpo_reward_keys names; none where a reward model or server scores alone. Each call's
+    extra_info gains what the reward manager adds."""
     if reward.sources:
-        return weighted_sources(load_reward_sources(reward.sources))
-    if reward.entries is not None:
-        return entry_sources(load_reward_function(reward.function.path, reward.function.name, kwargs=reward.function.reward_kwargs), reward.entries)
-    if (reward.model is not None or reward.remote_url) and not reward.function.path:
+        fn = weighted_sources(load_reward_sources(reward.sources))
+    elif reward.entries is not None:
+        fn = entry_sources(load_reward_function(reward.function.path, reward.function.name, kwargs=reward.function.reward_kwargs), reward.entries)
+    elif (reward.model is not None or reward.remote_url) and not reward.function.path:
         return no_reward
-    return load_reward_function(reward.function.path, reward.function.name, kwargs=reward.function.reward_kwargs)
+    else:
+        fn = load_reward_function(reward.function.path, reward.function.name, kwargs=reward.function.reward_kwargs)
+    return with_extra_info(fn, reward.extra_info) if reward.extra_info else fn
 
 
 def load_rl_prompts(data: RLDataConfig, default_agent_loop: str, files: list[str], tokenizer, key: str, tools: dict[str, BaseTool],

@@ -8,6 +8,7 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
@@ -95,6 +96,7 @@ class RewardPlan:
     model: RewardModelPlan | None
     remote_url: str | None
     remote: RemoteRewardConfig
+    extra_info: dict[str, Any]  # what each call's extra_info gains from the reward manager (GDPO's: the experiment's name)
 
 
 @dataclass(frozen=True)
@@ -745,5 +747,6 @@ def reward_plan(config: GRPOConfig) -> RewardPlan:
         spec = ModelSpec(reward_model.path, loading, frozen_fsdp(config.actor_rollout_ref.actor.fsdp_config, reward_model.fsdp_config),
                          reward_model.use_remove_padding)
         model = RewardModelPlan(spec, settings.weight, settings.micro_batch_size_per_gpu)
+    extra_info = {"experiment_name": config.trainer.experiment_name} if config.reward.reward_manager.name == "gdpo" else {}
     return RewardPlan(resolve_reward_function(config), tuple(config.reward.sources), tuple(keys) if keys is not None else None, model,
-                      settings.remote_rm_url, settings.remote)
+                      settings.remote_rm_url, settings.remote, extra_info)
