@@ -212,11 +212,13 @@ def test_mindspeed_rls_offload_keys_are_verls_offload_between_phases():
     assert overrides == ["actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
 
 
-@pytest.mark.parametrize("trainer, keys", [("grpo", "verl-0.9.0/ppo_trainer_keys.txt"), ("sft", "verl-0.9.0/sft_trainer_keys.txt"),
+@pytest.mark.parametrize("trainer, keys", [("grpo", "verl-0.9.1/ppo_trainer_keys.txt"), ("sft", "verl-0.9.1/sft_trainer_keys.txt"),
+                                           ("grpo", "verl-0.9.0/ppo_trainer_keys.txt"), ("sft", "verl-0.9.0/sft_trainer_keys.txt"),
                                            ("grpo", "ppo_trainer_keys.txt"), ("sft", "sft_trainer_keys.txt")])
 def test_every_key_of_verls_configs_has_a_state(trainer, keys):
-    """Every leaf key of verl 0.9.0's configs (and of the older ones the seed scripts were written for) is
-    fsdptrain's own, or mapped, accepted with its reason, refused with what to use instead, or the launch shape."""
+    """Every leaf key of verl 0.9.1's configs (the reference), of 0.9.0's and of the older ones the seed scripts were
+    written for is fsdptrain's own, or mapped, accepted with its reason, refused with what to use instead, or the
+    launch shape."""
     keys = [line.strip() for line in (EXAMPLES / keys).read_text().splitlines() if line.strip() and not line.startswith("#")]
     states = {key: state for key, (_, state, _, _) in zip(keys, key_states([f"{key}=1" for key in keys], trainer))}
     assert [key for key, state in states.items() if state == "unknown"] == []
@@ -224,12 +226,12 @@ def test_every_key_of_verls_configs_has_a_state(trainer, keys):
 
 
 def test_the_docs_count_the_states_of_verl_09s_keys():
-    """docs/from_verl.md's counts by state are the table's."""
+    """docs/from_verl.md's counts by state are the table's, for verl 0.9.1's keys."""
     rows = {"fsdptrain's own key": ("key",), "mapped to": ("mapped",), "accepted:": ("accepted",), "refused with": ("refused", "left off"),
             "the launch shape": ("launch shape",)}
     page = (REPO / "docs" / "from_verl.md").read_text().splitlines()
     for column, (trainer, keys) in enumerate((("grpo", "ppo_trainer_keys.txt"), ("sft", "sft_trainer_keys.txt"))):
-        keys = [line.strip() for line in (EXAMPLES / "verl-0.9.0" / keys).read_text().splitlines() if line.strip() and not line.startswith("#")]
+        keys = [line.strip() for line in (EXAMPLES / "verl-0.9.1" / keys).read_text().splitlines() if line.strip() and not line.startswith("#")]
         counts = Counter(state for _, state, _, _ in key_states([f"{key}=1" for key in keys], trainer))
         for start, states in rows.items():
             (line,) = [line for line in page if line.startswith(f"| {start}")]
@@ -247,10 +249,10 @@ def comparable(value, key: str):
 
 @pytest.mark.parametrize("trainer, verl_name", [("grpo", "ppo_trainer"), ("sft", "sft_trainer")])
 def test_each_default_not_verls_is_listed_with_its_reason(trainer, verl_name):
-    """Every key fsdptrain shares with verl 0.9 (its own key, verl's meaning) takes verl's default, or
+    """Every key fsdptrain shares with verl 0.9.1 (its own key, verl's meaning) takes verl's default, or
     fsdptrain/config/verl_defaults.yaml lists it with verl's default and why; no entry lists a default that is
     verl's."""
-    verl = yaml.safe_load((EXAMPLES / "verl-0.9.0" / f"{verl_name}_defaults.yaml").read_text())
+    verl = yaml.safe_load((EXAMPLES / "verl-0.9.1" / f"{verl_name}_defaults.yaml").read_text())
     ours = OmegaConf.to_container(OmegaConf.load(REPO / "fsdptrain" / "config" / f"{trainer}_trainer.yaml"))
     table = yaml.safe_load((REPO / "fsdptrain" / "config" / "verl_defaults.yaml").read_text())[trainer]
     shared = [key for key, state, _, _ in ((o.partition("=")[0], *rest) for o, *rest in key_states([f"{k}=1" for k in verl], trainer))
