@@ -156,8 +156,6 @@ def grpo_config(*overrides):
         (["algorithm.rollout_correction.rollout_rs=seq_max_k2", "algorithm.rollout_correction.rollout_rs_threshold=0.1_2.0"],
          "seq_max_k2 takes an upper bound alone"),
         (["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=x"], "'x' is not a number"),
-        (["algorithm.rollout_correction.rollout_rs=token_k2", "algorithm.rollout_correction.rollout_rs_threshold=0.1",
-          "algorithm.rollout_correction.bypass_mode=true"], "under bypass_mode there is no such pass"),
         (["custom_reward_function.path=a.py", "reward.custom_reward_function.path=b.py"], r"custom_reward_function.path \(a.py\) and reward"),
         (["reward.custom_reward_function.name=f"], "reward.custom_reward_function.name is set without"),
         (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=false"],

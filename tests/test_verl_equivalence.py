@@ -323,6 +323,14 @@ def test_rollout_correction_equals_verls_over_two_ranks():
     assert "equals verl's on 5 cases" in torchrun(2, "tests.checks.rollout_correction_check", []).stdout
 
 
+def test_bypass_mode_equals_verls_in_each_micro_batch_over_two_ranks():
+    """Rollout correction in bypass mode, in the loss of a micro-batch split over two ranks: the rejection mask of every
+    rollout_rs option (chained) against the current policy, the importance weights batch-normalized over both ranks,
+    and the reinforce and ppo_clip losses and their gradients equal verl 0.9.1's (tests/checks/bypass_check.py; a 10%
+    change to any k-estimator or to the normalization fails it)."""
+    assert "bypass mode equals verl's on 7 cases" in torchrun(2, "tests.checks.bypass_check", []).stdout
+
+
 @pytest.mark.parametrize("options, thresholds", [("token_k1", "1.5"), ("token_k1", "0.2_1.2"), ("seq_sum_k1,seq_max_k3", "0.5_2,0.1"),
                                                   ("token_k2,token_k2,seq_mean_k1", 3), ("seq_mean_k2,seq_sum_k3", "0.5, 0.25")])
 def test_rejection_thresholds_read_as_verls(options, thresholds):

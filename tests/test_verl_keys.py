@@ -561,6 +561,24 @@ def test_verl_09s_examples_train_a_step(tmp_path, tokenizer, vllm_llama, rl_data
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the recipes roll out with vLLM, which is not installed")
+@pytest.mark.parametrize("script", ["run_qwen2_5_7b_fsdp.sh", "run_qwen2_5_7b_fsdp_multi_rs.sh"])
+def test_verls_rollout_correction_recipes_train_a_step(tmp_path, vllm_llama, rl_data, script):
+    """Rollout correction in bypass mode as verl main's recipes set it (tests/verl_examples/recipes/: sequence-level
+    weights batch-normalized, one or three chained rejection criteria, the reinforce loss), vLLM rollouts, on 2 CPU
+    processes with the launcher, paths, model and sizes changed: check passes, then a step, its rejected share logged."""
+    _, args = launch_arguments(EXAMPLES / "recipes" / "rollout_correction" / script)
+    out = str(tmp_path / "run")
+    args = with_local(args, {**sizes_and_paths(vllm_llama, rl_data, out), **EXAMPLE_SIZES, "trainer.total_training_steps": 1, "trainer.test_freq": 1,
+                             "custom_reward_function.path": rl_data / "reward.py"})  # scores that differ within a group
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0
+    result = torchrun(2, "fsdptrain.grpo_trainer", args)
+    ((step, line),) = console_steps(result.stdout)
+    metrics = dict(item.rsplit(" ", 1) for item in line.split(" | "))
+    assert step == "1" and float(metrics["actor/grad_norm"]) > 0 and "actor/rollout_rs_masked_fraction" in metrics, metrics
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
 def test_verl_09s_gpt_oss_example_is_refused_with_vllm_on_cpu_and_trains_on_the_hf_engine(tmp_path, tokenizer, rl_data, capsys):
     """vLLM's CPU build computes gpt-oss's log-probs differently from transformers (so from the trainer): check

@@ -378,10 +378,6 @@ def validate_algorithm(algorithm: AlgorithmConfig) -> None:
     one_of("algorithm.rollout_correction.loss_type", correction.loss_type, ("ppo_clip", "reinforce"))
     importance_bounds(correction.rollout_is_threshold)
     rejection_options(correction.rollout_rs, correction.rollout_rs_threshold)
-    if correction.bypass_mode and (correction.rollout_rs is not None or correction.rollout_is_batch_normalize):
-        raise ConfigError("algorithm.rollout_correction.rollout_rs and rollout_is_batch_normalize apply once per batch, between the "
-                          "old policy's pass and the advantages: under bypass_mode there is no such pass (verl applies them "
-                          "in each micro-batch's loss, which is not built here)")
 
 
 def validate_gdpo_keys(algorithm: AlgorithmConfig) -> None:

@@ -122,6 +122,23 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, targets: dict[str, t
     return sums[sequences] / targets["sequence_tokens"].clamp(min=1)
 
 
+def sequence_max(values: torch.Tensor, targets: dict[str, torch.Tensor], num_sequences: int, parallel: Parallel) -> torch.Tensor:
+    """On each token, the maximum of `values` over its sequence's tokens (over the Ulysses slices that hold parts of it)."""
+    sequences = targets["sequence"].long()
+    highest = torch.full((num_sequences,), float("-inf"), dtype=values.dtype, device=values.device)
+    highest = highest.scatter_reduce(0, sequences, values, "amax")
+    if parallel.sp_size > 1:
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=parallel.ulysses_group)
+    return highest[sequences]
+
+
+def ranks_sum(values: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """`values` summed over every training rank (their micro-batches of the same step in the loop)."""
+    values = values.clone()
+    dist.all_reduce(values, group=parallel.group)
+    return values
+
+
 def mini_batch_aggregation(mini: list[Sample], agg_mode: str, loss_scale_factor: float | None, max_response_length: int,
                            parallel: Parallel, loss_mode: str = "vanilla") -> Callable[..., torch.Tensor]:
     """core_algos.agg_loss in `agg_mode` over the mini-batch's global token and sequence counts (every
@@ -195,12 +212,19 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
             store_token_values(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
         tokens = core_algos.PolicyTokens(log_probs, old, targets["advantage"], mask,
                                          partial(sequence_mean, mask=mask, targets=targets, num_sequences=num_sequences, parallel=parallel),
-                                         targets["sequence_tokens"])
+                                         targets["sequence_tokens"],
+                                         partial(sequence_max, targets=targets, num_sequences=num_sequences, parallel=parallel),
+                                         partial(ranks_sum, parallel=parallel))
         pg, clipped, lower = core_algos.POLICY_LOSSES[loss_settings.loss_mode](tokens, loss_settings.policy)
         if "rollout_is_weight" in targets:
             pg = core_algos.is_weighted(pg, targets["rollout_is_weight"], loss_settings.loss_mode, tokens)
+        policy_mask, policy_sequence_tokens = mask, targets["sequence_tokens"]
+        if loss_settings.policy.rejection:  # bypass mode: the tokens rejected against the current policy leave the policy loss
+            policy_mask = core_algos.bypass_kept(tokens, loss_settings.policy)
+            policy_sequence_tokens = tokens.sequence_mean(policy_mask) * targets["sequence_tokens"]
+            sums["rollout_rs_masked_fraction"] = sums.get("rollout_rs_masked_fraction", 0.0) + float((mask - policy_mask).sum())
         per_token = partial(aggregate, mask=mask, sequence_tokens=targets["sequence_tokens"])
-        loss = policy_aggregate(pg, mask=mask, sequence_tokens=targets["sequence_tokens"], mode=loss_settings.policy_agg_mode)
+        loss = policy_aggregate(pg, mask=policy_mask, sequence_tokens=policy_sequence_tokens, mode=loss_settings.policy_agg_mode)
         if loss_settings.entropy_coeff != 0:  # else the entropy is only a metric, and its backward is skipped
             loss = loss - loss_settings.entropy_coeff * per_token(entropy)
         if loss_settings.kl_coef is not None:

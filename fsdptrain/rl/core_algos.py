@@ -383,6 +383,8 @@ class PolicyLossSettings:
     rollout_is: str | None = None  # bypass_mode's reinforce weights: their level and cap (with a lower bound: IcePop's bounds)
     rollout_is_threshold: float = 2.0
     rollout_is_lower: float | None = None
+    rollout_is_batch_normalize: bool = False  # bypass_mode: the weights over their mean in the micro-batch, every rank's
+    rejection: "tuple[RejectionRule, ...]" = ()  # bypass_mode: rollout_rs against the current policy, in each micro-batch
 
 
 @dataclass(frozen=True)
@@ -396,6 +398,8 @@ class PolicyTokens:
     mask: torch.Tensor
     sequence_mean: Callable[[torch.Tensor], torch.Tensor]
     sequence_tokens: torch.Tensor  # on each token, its sequence's count of response tokens
+    sequence_max: Callable[[torch.Tensor], torch.Tensor] | None = None  # on each token, its sequence's maximum of the values
+    ranks_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # a sum over every training rank's micro-batch
 
 
 def log_ratio(tokens: PolicyTokens) -> torch.Tensor:
@@ -574,16 +578,41 @@ def dppo_kl_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
 def bypass_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """verl's rollout-correction bypass: the old log-probs are the rollout engine's (no old-policy pass). loss_type
     ppo_clip: PPO's clipped surrogate against them; reinforce: -A log pi weighted by the truncated importance
-    weights sg(pi / pi_rollout) at rollout_is's level (none without it)."""
+    weights sg(pi / pi_rollout) at rollout_is's level (none without it), with rollout_is_batch_normalize over their
+    mean in the micro-batch (every rank's, as verl's distributed mean). rollout_rs is the caller's mask
+    (bypass_kept)."""
     if settings.bypass_loss_type == "ppo_clip":
         return vanilla_policy_loss(tokens, settings)
     loss = -tokens.advantages * tokens.log_probs
     if settings.rollout_is is not None:
-        raw = (tokens.log_probs - tokens.old_log_probs).detach() * tokens.mask
-        if settings.rollout_is == "sequence":
-            raw = tokens.sequence_mean(raw) * tokens.sequence_tokens
-        loss = loss * bounded(torch.exp(raw.clamp(-20.0, 20.0)), settings.rollout_is_threshold, settings.rollout_is_lower) * tokens.mask
+        loss = loss * bypass_is_weights(tokens, settings)
     return loss, torch.zeros_like(tokens.mask), torch.zeros_like(tokens.mask)
+
+
+def bypass_is_weights(tokens: PolicyTokens, settings: PolicyLossSettings) -> torch.Tensor:
+    """verl's compute_rollout_correction_weights against the current policy: per token, or per sequence (exp of its
+    summed log-ratio), truncated or IcePop-bounded, 0 off the mask; normalized to a mean of 1 over every rank's
+    tokens (token) or sequences (sequence)."""
+    mask = tokens.mask
+    raw = (tokens.log_probs - tokens.old_log_probs).detach() * mask
+    if settings.rollout_is == "sequence":
+        raw = tokens.sequence_mean(raw) * tokens.sequence_tokens
+    weights = bounded(torch.exp(raw.clamp(-20.0, 20.0)) * mask, settings.rollout_is_threshold, settings.rollout_is_lower) * mask
+    if settings.rollout_is_batch_normalize:
+        # a sequence's weight is on each of its tokens: its share 1 / (its tokens) counts it once, wherever its slices lie
+        share = mask if settings.rollout_is == "token" else mask / tokens.sequence_tokens.clamp(min=1)
+        total, count = tokens.ranks_sum(torch.stack([(weights * share).sum(), share.sum()]))
+        mean = total / count.clamp(min=1e-8)
+        if mean > 1e-8:
+            weights = weights / mean
+    return weights
+
+
+def bypass_kept(tokens: PolicyTokens, settings: PolicyLossSettings) -> torch.Tensor:
+    """verl's bypass-mode rejection (rollout_rs) against the current policy: the mask with 0 where a rule rejects a
+    token or its sequence, on a micro-batch's flat tokens."""
+    return rejection_keep((tokens.log_probs - tokens.old_log_probs).detach(), tokens.mask, settings.rejection,
+                          lambda values: tokens.sequence_mean(values) * tokens.sequence_tokens, tokens.sequence_max)
 
 
 @POLICY_LOSSES.register("cpgd")
@@ -658,20 +687,25 @@ class RejectionRule:
     high: float
 
 
-def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, rules: Sequence[RejectionRule]) -> torch.Tensor:
-    """verl's compute_rollout_rejection_mask on one response (tokens,): its mask with 0 where a rule rejects the
-    token (a sequence-level rule rejects the whole response)."""
+def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, rules: Sequence[RejectionRule],
+                   sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   sequence_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """verl's compute_rollout_rejection_mask: `mask` with 0 where a rule rejects the token (a sequence-level rule
+    rejects the whole response). On one response (tokens,) by default; on a micro-batch's flat tokens with
+    `sequence_sum` and `sequence_max`, which give each token its sequence's sum (over the mask) or maximum."""
+    sequence_sum = sequence_sum or (lambda values: (values * mask).sum().expand_as(mask))
+    sequence_max = sequence_max or (lambda values: values.max().expand_as(mask))
     r = log_ratio.clamp(-20.0, 20.0)
     keep = mask.clone()
     for rule in rules:
         divergence = REJECTION_DIVERGENCES[rule.kind](r)
         if rule.level == "seq_sum":
-            divergence = (divergence * mask).sum().expand_as(mask)
+            divergence = sequence_sum(divergence * mask)
         elif rule.level == "seq_mean":
-            divergence = ((divergence * mask).sum() / (mask.sum() + 1e-8)).expand_as(mask)
+            divergence = sequence_sum(divergence * mask) / (sequence_sum(mask) + 1e-8)
         elif rule.level == "seq_max":
-            inside = divergence[mask > 0]
-            divergence = (inside.max() if inside.numel() else torch.zeros((), dtype=r.dtype)).expand_as(mask)
+            highest = sequence_max(divergence.masked_fill(mask == 0, float("-inf")))
+            divergence = torch.where(highest == float("-inf"), torch.zeros_like(highest), highest)
         kept = divergence <= rule.high if rule.low is None else (divergence >= rule.low) & (divergence <= rule.high)
         keep = keep * kept
     return keep

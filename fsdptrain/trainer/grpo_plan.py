@@ -627,11 +627,15 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     is_upper, is_lower = importance_bounds(correction.rollout_is_threshold)
     needs = derived.estimator
     loss_mode = derived.loss_mode
+    rules = tuple(RejectionRule(*rule) for rule in rejection_options(correction.rollout_rs, correction.rollout_rs_threshold))
+    # bypass: verl applies the weights' normalization and the rejection in each micro-batch's loss, against the
+    # current policy; otherwise once, against the old policy's pass (the Correction below)
     policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
                                 actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
                                 actor.tau_pos, actor.tau_neg, policy_loss.clip_cov_ratio, policy_loss.clip_cov_lb, policy_loss.clip_cov_ub,
                                 policy_loss.kl_cov_ratio, policy_loss.ppo_kl_coef, policy_loss.dro_beta, policy_loss.policy_drift_coef,
-                                correction.loss_type, correction.rollout_is, is_upper, is_lower)
+                                correction.loss_type, correction.rollout_is, is_upper, is_lower,
+                                bypass and correction.rollout_is_batch_normalize, rules if bypass else ())
     loss = LossSettings(loss_mode, actor.loss_agg_mode, derived.policy_agg_mode, policy,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.sft_loss_coef,
                         actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage)
@@ -641,7 +645,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     # bypass: the engine's log-probs are the old policy's, so there is nothing to compare them with, and its
     # rollout_is weighs the reinforce loss, not every loss
     rollout_is = None if bypass else correction.rollout_is
-    rejection = tuple(RejectionRule(*rule) for rule in rejection_options(correction.rollout_rs, correction.rollout_rs_threshold))
+    rejection = () if bypass else rules
     agreement = not bypass and (rollout.calculate_log_probs or derived.engine.always_logs_probs or rollout_is is not None or bool(rejection))
     val = rollout.val_kwargs
     val_samples = val.do_sample and val.temperature > 0  # else greedy
