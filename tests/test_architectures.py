@@ -175,6 +175,7 @@ def check(trainer: str, args: list[str], capsys) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
+@pytest.mark.slow
 def test_check_passes_every_architecture_and_refuses_what_cannot_run(text_folders, rl_data, chat_data, tmp_path, capsys):
     for arch, folder in text_folders.items():
         assert check("grpo", grpo_args(folder, rl_data, str(tmp_path)), capsys)[0] == 0, arch
@@ -224,6 +225,7 @@ def test_a_grpo_step_and_an_sft_step_on_two_processes(arch, text_folders, rl_dat
     assert step["step"] == 1 and 0 < step["train/loss"] < float("inf"), step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_an_export_reloads_whole_and_gives_the_trained_models_loss(arch, text_folders, chat_data, tmp_path):
     """hf_model exports every parameter and persistent buffer (an MoE router's score correction bias); the

@@ -134,6 +134,7 @@ def assert_the_synchronous_run(out: str, metrics: list[dict], sync_out: str, syn
     assert_same_weights(hf_weights(os.path.join(out, "global_step_3")), hf_weights(os.path.join(sync_out, "global_step_3")), atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training_ranks", [1, 2])
 def test_separate_rollout_ranks_at_lag_zero_are_the_synchronous_run(tmp_path, eos_llama, rl_data, sync_runs, training_ranks):
     """T training ranks with T rollout ranks (parameter_sync_step 1, max_off_policy_threshold 0, wait, a batch asked
@@ -162,6 +163,7 @@ def test_colocate_async_with_nothing_in_flight_is_the_synchronous_run(tmp_path, 
     assert_the_synchronous_run(out, colocate, *sync_runs(2))
 
 
+@pytest.mark.slow
 def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks(tmp_path, tiny_llama, rl_data):
     """An epoch (8 batches of 4 prompts) on one training and one rollout rank, four updates a step
     (parameter_sync_step 4), three batches asked for ahead and max_off_policy_threshold 2, under torchrun
@@ -194,6 +196,7 @@ def test_the_rollout_ranks_run_ahead_within_the_lag_bound_and_survive_lost_ranks
     assert logged == lags
 
 
+@pytest.mark.slow
 def test_a_vllm_rollout_rank_samples_the_weights_sent(tmp_path, rl_data, vllm_llama):
     """separate_async with vLLM on the rollout rank (its engine in a process of its own: rl/rollout/engine_process.py),
     1 + 1 at a lag of 0 and a large learning rate: each batch trained once by its own step, and every step's
@@ -306,6 +309,7 @@ def test_a_request_drawn_in_pieces_tags_each_group_by_the_weights_of_its_first_t
     assert {v for g in generations[4:] for v in g.versions} == {1, 2}
 
 
+@pytest.mark.slow
 def test_a_vllm_response_goes_on_under_the_weights_that_come_while_it_is_drawn(vllm_llama):
     """Partial rollouts on a rollout rank's vLLM engine (in its own process): new weights sent while it generates
     stop its requests, are loaded, and the requests go on from their tokens so far. Each token's sampling log-prob
@@ -420,6 +424,7 @@ def test_the_pool_trains_the_first_complete_groups_and_continues_the_rest_under_
     assert any(g.oldest_version == 0 for g in taken[1])  # batch 1 began beside batch 0, before the update
 
 
+@pytest.mark.slow
 def test_colocate_async_keeps_responses_in_flight_within_the_lag_bound_and_survives_a_lost_rank(tmp_path, eos_llama, rl_data):
     """colocate_async on 2 ranks, a batch in flight ahead and max_off_policy_threshold 1, saved every step, under
     torchrun --max-restarts=1 with a rank killed in step 3's update. The run finishes, and read from its dumps:

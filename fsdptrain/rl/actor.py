@@ -173,6 +173,53 @@ def samples_to_train(mini: list[Sample], skip_zero_advantage: bool, share_prompt
     return dealt.samples, dealt
 
 
+def policy_tokens(log_probs: torch.Tensor, old: torch.Tensor, targets: dict[str, torch.Tensor], mask: torch.Tensor, num_sequences: int,
+                  parallel: Parallel) -> core_algos.PolicyTokens:
+    """A micro-batch's response tokens as the policy losses see them, with their per-sequence and every-rank reductions."""
+    return core_algos.PolicyTokens(log_probs, old, targets["advantage"], mask,
+                                   partial(sequence_mean, mask=mask, targets=targets, num_sequences=num_sequences, parallel=parallel),
+                                   targets["sequence_tokens"], partial(sequence_max, targets=targets, num_sequences=num_sequences, parallel=parallel),
+                                   partial(ranks_sum, parallel=parallel))
+
+
+def policy_loss_mask(tokens: core_algos.PolicyTokens, loss_settings: LossSettings, sums: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens the policy loss aggregates and each one's count of them in its sequence: all of them, or in bypass
+    mode those its rejection keeps against the current policy (their share summed into `sums`)."""
+    if not loss_settings.policy.rejection:
+        return tokens.mask, tokens.sequence_tokens
+    kept = core_algos.bypass_kept(tokens, loss_settings.policy)
+    sums["rollout_rs_masked_fraction"] = sums.get("rollout_rs_masked_fraction", 0.0) + float((tokens.mask - kept).sum())
+    return kept, tokens.sequence_mean(kept) * tokens.sequence_tokens
+
+
+@dataclass(frozen=True)
+class RouterBalanceTerm:
+    """The MoE routers' load-balancing loss in a mini-batch's update (models/router_balance.py): each sequence's weighs
+    coef / (the mini-batch's sequences); its metric is summed times the mini-batch's tokens over its sequences, as the
+    update divides every sum by the token count."""
+
+    balance: RouterBalance
+    sequences: float
+    tokens: float
+    parallel: Parallel
+
+    @classmethod
+    def of(cls, mini: list[Sample], balance: RouterBalance | None, parallel: Parallel, sums: dict[str, float]) -> "RouterBalanceTerm | None":
+        if balance is None:
+            return None
+        sequences, tokens = all_reduce_sum([len(mini), sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
+        sums["moe_load_balancing_loss"] = 0.0
+        return cls(balance, sequences, tokens, parallel)
+
+    def loss(self, router: list, inputs: dict[str, torch.Tensor], count: int, sums: dict[str, float]) -> torch.Tensor:
+        """This micro-batch's term, from its `count` sequences' router logits."""
+        parallel = self.parallel
+        ids = sequence_ids(inputs, count, parallel.sp_rank, parallel.sp_size)
+        per_sequence = sequence_losses(router, ids, count, self.balance, parallel.ulysses_group).sum()
+        sums["moe_load_balancing_loss"] += float(per_sequence) * self.tokens / (self.sequences * parallel.sp_size)
+        return per_sequence * (self.balance.coef / (self.sequences * parallel.sp_size))
+
+
 def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBatching, forward: ForwardSettings, loss_settings: LossSettings,
                         parallel: Parallel, first_pass_is_old: bool) -> dict[str, float]:
     """Gradients of one mini-batch's loss (this rank's samples of it), accumulated into the parameters; without
@@ -189,12 +236,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         sft_tokens, mini_tokens = all_reduce_sum([sum(float((s.token_values["sft"] * s.loss_mask)[1:].sum()) for s in mini),
                                                sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
         sums["sft_loss"] = 0.0
-    balance = loss_settings.router_balance
-    if balance is not None:  # each sequence's load-balancing loss weighs coef / (the mini-batch's sequences); its metric
-        # is summed here times the mini-batch's tokens over its sequences, as the update divides every sum by the token count
-        mini_sequences, balance_tokens = all_reduce_sum([len(mini), sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device,
-                                                        parallel.dp_group)
-        sums["moe_load_balancing_loss"] = 0.0
+    balance = RouterBalanceTerm.of(mini, loss_settings.router_balance, parallel, sums)
     trained, dealt = samples_to_train(mini, loss_settings.skip_zero_advantage, forward.share_prompts, parallel)
     # sized for the dealt copies' renumbered ids and for mini[0], which the empty pass below forwards
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini + trained)) + 1
@@ -210,21 +252,12 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
         if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
             store_token_values(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
-        tokens = core_algos.PolicyTokens(log_probs, old, targets["advantage"], mask,
-                                         partial(sequence_mean, mask=mask, targets=targets, num_sequences=num_sequences, parallel=parallel),
-                                         targets["sequence_tokens"],
-                                         partial(sequence_max, targets=targets, num_sequences=num_sequences, parallel=parallel),
-                                         partial(ranks_sum, parallel=parallel))
+        tokens = policy_tokens(log_probs, old, targets, mask, num_sequences, parallel)
         pg, clipped, lower = core_algos.POLICY_LOSSES[loss_settings.loss_mode](tokens, loss_settings.policy)
         if "rollout_is_weight" in targets:
             pg = core_algos.is_weighted(pg, targets["rollout_is_weight"], loss_settings.loss_mode, tokens)
-        policy_mask, policy_sequence_tokens = mask, targets["sequence_tokens"]
-        if loss_settings.policy.rejection:  # bypass mode: the tokens rejected against the current policy leave the policy loss
-            policy_mask = core_algos.bypass_kept(tokens, loss_settings.policy)
-            policy_sequence_tokens = tokens.sequence_mean(policy_mask) * targets["sequence_tokens"]
-            sums["rollout_rs_masked_fraction"] = sums.get("rollout_rs_masked_fraction", 0.0) + float((mask - policy_mask).sum())
         per_token = partial(aggregate, mask=mask, sequence_tokens=targets["sequence_tokens"])
-        loss = policy_aggregate(pg, mask=policy_mask, sequence_tokens=policy_sequence_tokens, mode=loss_settings.policy_agg_mode)
+        loss = policy_aggregate(pg, *policy_loss_mask(tokens, loss_settings, sums), mode=loss_settings.policy_agg_mode)
         if loss_settings.entropy_coeff != 0:  # else the entropy is only a metric, and its backward is skipped
             loss = loss - loss_settings.entropy_coeff * per_token(entropy)
         if loss_settings.kl_coef is not None:
@@ -236,10 +269,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
             loss = loss + loss_settings.sft_coef * nll.sum() / max(sft_tokens, 1.0)
             sums["sft_loss"] += float(nll.detach().sum()) * mini_tokens / max(sft_tokens, 1.0)
         if balance is not None and micro_batch is not None:
-            ids = sequence_ids(batch.inputs, len(micro_batch), parallel.sp_rank, parallel.sp_size)
-            per_sequence = sequence_losses(router, ids, len(micro_batch), balance, parallel.ulysses_group).sum()
-            loss = loss + per_sequence * (balance.coef / (mini_sequences * parallel.sp_size))
-            sums["moe_load_balancing_loss"] += float(per_sequence) * balance_tokens / (mini_sequences * parallel.sp_size)
+            loss = loss + balance.loss(router, batch.inputs, len(micro_batch), sums)
         (loss * parallel.world_size).backward()  # FSDP averages gradients over ranks
         sums["pg_loss"] += float((pg.detach() * mask).sum())
         sums["pg_clipfrac"] += float(clipped.sum())

@@ -117,8 +117,7 @@ def run_sft(plan: SFTPlan) -> None:
     watched = trainer.best_model.save or trainer.best_model.early_stopping_patience is not None
     run = open_run(parallel, trainer, plan.model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, added=inputs.added,
                    states={"best_model": best} if watched else None)
-    model = run.model
-    balance = router_balance(hf_config)
+    model, balance = run.model, router_balance(hf_config)
     batches, batches_epoch = [], -1
     history = []  # this run's steps, for the plots
     with lost_ranks_named(run, trainer.nccl_timeout, "trainer.nccl_timeout"):
@@ -129,8 +128,7 @@ def run_sft(plan: SFTPlan) -> None:
             if epoch != batches_epoch:
                 batches, batches_epoch = epoch_batches(len(train), data.train_batch_size, trainer.seed, epoch, data.shuffle), epoch
             mine = rank_share([train[i] for i in batches[index]], parallel.dp_rank, parallel.dp_size)
-            timer = StepTimer(step)
-            lr = run.scheduler.get_last_lr()[0]
+            timer, lr = StepTimer(step), run.scheduler.get_last_lr()[0]
             with profile_step(step == trainer.profile_step, step, trainer.default_local_dir, parallel.rank), timer("update"):
                 micro_batches = plan_micro_batches(mine, plan.micro_batching, parallel)
                 local = train_step(model, micro_batches, plan, parallel, tokenizer.pad_token_id, balance)
@@ -146,9 +144,8 @@ def run_sft(plan: SFTPlan) -> None:
                 "train/epoch": epoch,
                 "perf/tokens_per_sec": seen / elapsed,
                 "perf/max_memory_gb": max_over_ranks(peak_memory_gb(parallel.device), parallel.device),
+                **({"train/moe_load_balancing_loss": balance_sum / data.train_batch_size} if balance else {}),
             }
-            if balance is not None:
-                metrics["train/moe_load_balancing_loss"] = balance_sum / data.train_batch_size
             if val and run.due(step, trainer.test_freq):
                 metrics["val/loss"] = validate(model, val, plan, parallel, tokenizer.pad_token_id)
                 if watched and best.observe(step, metrics["val/loss"]) and trainer.best_model.save:
