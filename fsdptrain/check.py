@@ -10,15 +10,19 @@ steps, tokens) and exits 0 only if the run would start; otherwise 1, with every 
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
 
 from fsdptrain.config.verl_keys import default_differences, translate
 from fsdptrain.distributed.mesh import World
 from fsdptrain.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from fsdptrain.trainer.setup import ModelSpec
 
 EPILOG = """key=value: the trainer's own command line (fsdptrain's keys or verl's); every key and its default:
 `python -m fsdptrain.sft_trainer --help`, `python -m fsdptrain.grpo_trainer --help`.
@@ -99,7 +103,7 @@ def sft_sizes(overrides: list[str], problems: list[str], world: World) -> list[s
     ]
 
 
-def builds(hf_config, spec, path_key: str, auto_class: type = AutoModelForCausalLM) -> None:
+def builds(hf_config: PretrainedConfig, spec: "ModelSpec", path_key: str, auto_class: type = AutoModelForCausalLM) -> None:
     """Build the model `spec` names on the meta device, as the trainer builds it (its attention included), so that
     what transformers cannot run is named here rather than in the first step."""
     from fsdptrain.models.loading import build_on_meta

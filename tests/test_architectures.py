@@ -191,8 +191,9 @@ def test_check_passes_every_architecture_and_refuses_what_cannot_run(text_folder
 
 
 def test_the_plan_fits_each_architecture(text_folders, tokenizer, rl_data, tmp_path):
-    """Recurrent layers: no shared prompt; dropout in the config: the old log-probs by their own pass (eval mode); an
-    MoE config asking for its routers' load-balancing loss: that loss, no shared prompt."""
+    """Recurrent layers: no shared prompt (the policy's or a critic's); dropout in the config: the old log-probs by
+    their own pass (eval mode); an MoE config asking for its routers' load-balancing loss: that loss, no shared
+    prompt."""
     from fsdptrain.check import composed
     from fsdptrain.trainer.grpo import read_grpo_inputs
     from fsdptrain.trainer.grpo_plan import read_grpo_config, resolve_grpo
@@ -209,6 +210,11 @@ def test_the_plan_fits_each_architecture(text_folders, tokenizer, rl_data, tmp_p
     assert plans["seed_oss"].forward.share_prompts and not plans["seed_oss"].one_pass
     assert plans["qwen3_moe"].forward.share_prompts and plans["qwen3_moe"].loss.router_balance is None
     assert not plans["balanced"].forward.share_prompts and plans["balanced"].loss.router_balance.coef == 0.001  # Qwen3-MoE's default
+    # PPO: a Qwen3-Next critic beside a Llama policy packs each response whole, the policy still shares its prompts
+    config = read_grpo_config(composed("grpo_trainer", grpo_args(folders["llama"], rl_data, str(tmp_path), algorithm__adv_estimator="gae",
+                                                                 critic__model__path=folders["qwen3_next"])), [], world)
+    ppo = read_grpo_inputs(*resolve_grpo(config, world)).plan
+    assert ppo.forward.share_prompts and not ppo.critic.forward.share_prompts
 
 
 @pytest.mark.slow

@@ -43,8 +43,7 @@ def save_hf_folder(
         model = AutoModelForCausalLM.from_config(config)
     loaded = model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()  # a tied output layer may be absent from `state`: it is the input embedding
-    saved = set(model.state_dict())  # parameters and persistent buffers: what the folder must hold
-    unfilled = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name in saved]
+    unfilled = [name for name, t in model.state_dict().items() if t.is_meta]  # parameters and persistent buffers
     if unfilled or loaded.unexpected_keys:
         raise ValueError(f"weights do not fit {config.model_type}: missing {unfilled}, unexpected {loaded.unexpected_keys}")
     model.to(DTYPES[dtype])

@@ -128,14 +128,14 @@ def attend_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scal
     Without sinks, 4-D inputs with enable_gqa reach SDPA's fused CPU kernel without repeating the KV heads (3-D
     inputs fall back to the unfused math path). With sinks, the softmax is written out as gpt-oss's eager
     attention writes it: the sink's logit joins the denominator and its column is dropped."""
-    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
     queries, keys = len(query), len(key)
     plain_causal = queries == keys and sliding_window is None
     mask = None if plain_causal and sinks is None else causal_mask(queries, keys, sliding_window, query.device)
     if sinks is None:
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
         output = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=True, is_causal=plain_causal, attn_mask=mask)
         return output[0].transpose(0, 1)
-    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, *repeat_kv_heads(key, value, query.shape[1])))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     logits = torch.matmul(q, k.transpose(2, 3)) * scale
     logits = logits.masked_fill(~mask, float("-inf"))

@@ -162,8 +162,13 @@ def chunked_token_log_probs(
 # ---- the model's side: backbone, then a loss over the output layer ------------------------------------------------
 def _forward_head(self: nn.Module, head: Callable[[torch.Tensor, torch.Tensor], Any], router: SimpleNamespace, **inputs) -> Any:
     output = self.base_model(**inputs, use_cache=False)
-    router.logits = getattr(output, "router_logits", None) or ()
+    router.logits = router_logits(output)
     return head(output.last_hidden_state.flatten(0, 1), self.get_output_embeddings().weight)
+
+
+def router_logits(output: Any) -> tuple[torch.Tensor, ...]:
+    """Each MoE layer's router logits of a forward's output (none from a model that gives none)."""
+    return getattr(output, "router_logits", None) or ()
 
 
 def forward_head(model: nn.Module, inputs: dict[str, Any], head: Callable[[torch.Tensor, torch.Tensor], Any], router: list | None = None) -> Any:
@@ -184,7 +189,7 @@ def full_logits(model: nn.Module, inputs: dict[str, Any], router: list | None) -
     """The model's logits of the batch; with a `router` list, each MoE layer's router logits appended to it."""
     output = model(**inputs, use_cache=False)
     if router is not None:
-        router.extend(output.router_logits)
+        router.extend(router_logits(output))
     return output.logits
 
 

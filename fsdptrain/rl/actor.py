@@ -189,7 +189,7 @@ def policy_loss_mask(tokens: core_algos.PolicyTokens, loss_settings: LossSetting
         return tokens.mask, tokens.sequence_tokens
     kept = core_algos.bypass_kept(tokens, loss_settings.policy)
     sums["rollout_rs_masked_fraction"] = sums.get("rollout_rs_masked_fraction", 0.0) + float((tokens.mask - kept).sum())
-    return kept, tokens.sequence_mean(kept) * tokens.sequence_tokens
+    return kept, tokens.sequence_sum(kept)
 
 
 @dataclass(frozen=True)

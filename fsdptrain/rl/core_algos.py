@@ -401,6 +401,10 @@ class PolicyTokens:
     sequence_max: Callable[[torch.Tensor], torch.Tensor] | None = None  # on each token, its sequence's maximum of the values
     ranks_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # a sum over every training rank's micro-batch
 
+    def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """On each token, the sum of `values` over its sequence's response tokens."""
+        return self.sequence_mean(values) * self.sequence_tokens
+
 
 def log_ratio(tokens: PolicyTokens) -> torch.Tensor:
     """log(pi / pi_old) per token, clamped to [-20, 20] as verl's."""
@@ -590,14 +594,11 @@ def bypass_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
 
 
 def bypass_is_weights(tokens: PolicyTokens, settings: PolicyLossSettings) -> torch.Tensor:
-    """verl's compute_rollout_correction_weights against the current policy: per token, or per sequence (exp of its
-    summed log-ratio), truncated or IcePop-bounded, 0 off the mask; normalized to a mean of 1 over every rank's
-    tokens (token) or sequences (sequence)."""
+    """verl's compute_rollout_correction_weights against the current policy (rollout_is_weights on a micro-batch's
+    flat tokens), normalized to a mean of 1 over every rank's tokens (token) or sequences (sequence)."""
     mask = tokens.mask
-    raw = (tokens.log_probs - tokens.old_log_probs).detach() * mask
-    if settings.rollout_is == "sequence":
-        raw = tokens.sequence_mean(raw) * tokens.sequence_tokens
-    weights = bounded(torch.exp(raw.clamp(-20.0, 20.0)) * mask, settings.rollout_is_threshold, settings.rollout_is_lower) * mask
+    weights, _ = rollout_is_weights(tokens.log_probs.detach(), tokens.old_log_probs, mask, settings.rollout_is, settings.rollout_is_threshold,
+                                    settings.rollout_is_lower, tokens.sequence_sum)
     if settings.rollout_is_batch_normalize:
         # a sequence's weight is on each of its tokens: its share 1 / (its tokens) counts it once, wherever its slices lie
         share = mask if settings.rollout_is == "token" else mask / tokens.sequence_tokens.clamp(min=1)
@@ -611,8 +612,8 @@ def bypass_is_weights(tokens: PolicyTokens, settings: PolicyLossSettings) -> tor
 def bypass_kept(tokens: PolicyTokens, settings: PolicyLossSettings) -> torch.Tensor:
     """verl's bypass-mode rejection (rollout_rs) against the current policy: the mask with 0 where a rule rejects a
     token or its sequence, on a micro-batch's flat tokens."""
-    return rejection_keep((tokens.log_probs - tokens.old_log_probs).detach(), tokens.mask, settings.rejection,
-                          lambda values: tokens.sequence_mean(values) * tokens.sequence_tokens, tokens.sequence_max)
+    return rejection_keep((tokens.log_probs - tokens.old_log_probs).detach(), tokens.mask, settings.rejection, tokens.sequence_sum,
+                          tokens.sequence_max)
 
 
 @POLICY_LOSSES.register("cpgd")
@@ -633,7 +634,7 @@ def cpgd_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
 def topr_policy_loss(tokens: PolicyTokens, settings: PolicyLossSettings):
     """TOPR (ROLL; Le Roux et al. 2025): -A log pi, as supervised learning on responses with A >= 0, and weighted
     by the sequence's truncated ratio sg(min(pi(y) / pi_old(y), 1)) on responses with A < 0."""
-    sequence_log_ratio = tokens.sequence_mean(log_ratio(tokens).detach()) * tokens.sequence_tokens
+    sequence_log_ratio = tokens.sequence_sum(log_ratio(tokens).detach())
     weight = torch.where(tokens.advantages < 0, torch.exp(sequence_log_ratio.clamp(max=0.0)), torch.ones_like(tokens.mask))
     lower = ((tokens.advantages < 0) & (sequence_log_ratio < 0)).float() * tokens.mask
     return -tokens.advantages * weight * tokens.log_probs, torch.zeros_like(tokens.mask), lower
@@ -653,14 +654,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 # ---- rollout correction -------------------------------------------------------------------------------------------
 def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str,
-                       upper: float, lower: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Importance weights of one response (tokens,) for the gap between the engine that sampled it and the
-    trainer's old policy: token, exp(old - rollout) per token; sequence, exp(sum over the response of old -
-    rollout) on every token. Capped at `upper` (truncated IS), or with `lower`, zero outside [lower, upper]
-    (IcePop), as verl's. Returns (the weights, 0 off the mask; the raw weights)."""
+                       upper: float, lower: float | None = None,
+                       sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights for the gap between the engine that sampled a response and the policy `old_log_probs`
+    are of: token, exp(old - rollout) per token; sequence, exp(sum over the response of old - rollout) on every
+    token. Capped at `upper` (truncated IS), or with `lower`, zero outside [lower, upper] (IcePop), as verl's. On one
+    response (tokens,) by default; on a micro-batch's flat tokens with `sequence_sum` (each token its sequence's sum
+    over the mask). Returns (the weights, 0 off the mask; the raw weights)."""
     log_ratio = (old_log_probs - rollout_log_probs) * mask
     if level == "sequence":
-        log_ratio = log_ratio.sum().expand_as(mask)
+        log_ratio = log_ratio.sum().expand_as(mask) if sequence_sum is None else sequence_sum(log_ratio)
     raw = torch.exp(log_ratio.clamp(-20.0, 20.0))
     return bounded(raw, upper, lower) * mask, raw
 

@@ -257,7 +257,8 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     tools = load_tools(plan.tools_file) if plan.tools_file else {}
     interactions = load_interactions(plan.interactions_file) if plan.interactions_file else {}
     hf_config = load_model_config(spec.path, "actor_rollout_ref.model.path", spec.model, plan.sp_size)
-    plan = fit_to_architecture(plan, read_architecture(hf_config))
+    critic_config = critic_model_config(plan.critic_model, len(tokenizer), plan.sp_size) if plan.critic_model is not None else None
+    plan = fit_to_architecture(plan, read_architecture(hf_config), read_architecture(critic_config) if critic_config is not None else None)
     added = add_model_tokens(spec.model, "actor_rollout_ref.model", tokenizer, hf_config)
     if added is not None and hf_config.vocab_size > added.pretrained_rows:
         raise ConfigError(f"actor_rollout_ref.model.added_tokens_file: {len(added.new_ids)} tokens are new to "
@@ -272,8 +273,6 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
                   for files, key in ((data.train_files, "data.train_files"), (data.val_files, "data.val_files")))
     total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "prompts")
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
-    critic_config = (critic_model_config(plan.critic_model, len(tokenizer), plan.sp_size, plan.critic.forward.share_prompts)
-                     if plan.critic_model is not None else None)
     reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
     return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, critic_config=critic_config, reward_config=reward_config,
                       loops=loops)
@@ -448,13 +447,10 @@ def build_reward_model(settings: RewardModelPlan, trainer: GRPOTrainerConfig, pa
                        None if same_tokenizer(tokenizer, policy_tokenizer) else tokenizer, offload)
 
 
-def critic_model_config(spec: ModelSpec, vocabulary: int, sp_size: int, share_prompts: bool) -> PretrainedConfig:
+def critic_model_config(spec: ModelSpec, vocabulary: int, sp_size: int) -> PretrainedConfig:
     """critic.model.path's config with a value head, checked before any process starts: it reads the token ids of
     the actor's tokenizer (`vocabulary` of them)."""
     hf_config = load_model_config(spec.path, "critic.model.path", spec.model, sp_size)
-    if share_prompts and not (architecture := read_architecture(hf_config)).shares_prompts:
-        raise ConfigError(f"critic.model.path={spec.path!r}: {architecture.model_type} has linear-attention layers, whose recurrent state "
-                          "a shared prompt cannot hand to each response: set critic.model.share_prompts=false")
     if hf_config.vocab_size < vocabulary:
         raise ConfigError(f"critic.model.path={spec.path!r} has {hf_config.vocab_size} token embeddings, fewer than the "
                           f"{vocabulary} tokens of the actor's tokenizer, whose token ids it reads")

@@ -714,12 +714,12 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     )
 
 
-def fit_to_architecture(plan: GRPOPlan, architecture: Architecture) -> GRPOPlan:
-    """The plan with the paths the policy's `architecture` computes right (models/architecture.py), its engine's
-    refusal of a model type it cannot run as the trainer computes it, responses packed
-    whole where a prompt cannot be shared, the old policy's log-probs from their own pass (eval mode) where the
-    model's dropout would make the update's forward differ from it, and the routers' load-balancing loss where the
-    model's config asks for it."""
+def fit_to_architecture(plan: GRPOPlan, architecture: Architecture, critic_architecture: Architecture | None = None) -> GRPOPlan:
+    """The plan with the paths the policy's `architecture` (and the critic's) computes right (models/architecture.py),
+    its engine's refusal of a model type it cannot run as the trainer computes it, responses packed whole where a
+    prompt cannot be shared, the old policy's log-probs from their own pass (eval mode) where the model's dropout
+    would make the update's forward differ from it, and the routers' load-balancing loss where the model's config
+    asks for it (the policy's: the critic trains without it)."""
     ROLLOUT_ENGINES.info[plan.engine_name].check_architecture(architecture.model_type, plan.engine)
     forward, one_pass = plan.forward, plan.one_pass
     if forward.share_prompts and not architecture.shares_prompts:
@@ -731,7 +731,12 @@ def fit_to_architecture(plan: GRPOPlan, architecture: Architecture) -> GRPOPlan:
         one_pass = False
         log.info(f"{architecture.model_type}'s config sets dropout ({', '.join(architecture.dropout)}): the old policy's log-probs are "
                  "taken by their own pass in eval mode, not from the update's forward")
-    return replace(plan, forward=forward, one_pass=one_pass, loss=replace(plan.loss, router_balance=architecture.router_balance))
+    critic = plan.critic
+    if critic is not None and critic.forward.share_prompts and critic_architecture is not None and critic_architecture.recurrent_layers:
+        critic = replace(critic, forward=replace(critic.forward, share_prompts=False))
+        log.info(f"the critic's {critic_architecture.model_type} has linear-attention layers: each response is packed with its own prompt "
+                 "(critic.model.share_prompts taken as false)")
+    return replace(plan, forward=forward, one_pass=one_pass, loss=replace(plan.loss, router_balance=architecture.router_balance), critic=critic)
 
 
 def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:

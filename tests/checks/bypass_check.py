@@ -113,7 +113,7 @@ def main() -> None:
         if level is not None and loss_type == "reinforce":
             torch.testing.assert_close(core_algos.bypass_is_weights(tokens, settings), weights.flatten(), atol=1e-6, rtol=0)
         per_token, _, _ = core_algos.POLICY_LOSSES["bypass_mode"](tokens, settings)
-        kept_tokens = tokens.sequence_mean(our_kept) * tokens.sequence_tokens
+        kept_tokens = tokens.sequence_sum(our_kept)
         loss = core_algos.agg_loss(per_token, our_kept, kept_tokens, agg_mode, float(counts[0]), float(counts[1]), mask.shape[1]) * world
         loss.backward()
         torch.testing.assert_close(loss, verl_loss, atol=1e-6, rtol=0)

@@ -71,7 +71,7 @@ def main() -> None:
     base = config(model_dir, micro, packed, sp)
     parallel = start_run(base.trainer, sp_size=int(sp))
     plan = plan_grpo(base, world_from_environment("cpu"), pad_id=0)
-    critic = build_critic(plan, parallel, total_steps=1, hf_config=critic_model_config(plan.critic_model, 1000, plan.sp_size, plan.critic.forward.share_prompts))
+    critic = build_critic(plan, parallel, total_steps=1, hf_config=critic_model_config(plan.critic_model, 1000, plan.sp_size))
     # two prompts' groups of four, with returns on their response tokens
     everything = two_groups(lambda g, prompt, response, mask: {"returns": torch.randn(prompt + response, generator=g) * mask})
     mine = everything[parallel.dp_rank :: parallel.dp_size]
