@@ -21,7 +21,9 @@ TOLERANCE = 5e-6  # of the gradient's norm
 @pytest.mark.slow
 def test_a_mini_batch_gradient_is_the_same_whatever_the_layout(tmp_path, ids_llama):
     """Every policy loss (but those that read their micro-batch's statistics) with token-mean and
-    seq-mean-token-mean, every aggregation mode with the default loss, and the SFT term (fp32): one process with micro-batches of 8 packed sequences (each
+    seq-mean-token-mean, every aggregation mode with the default loss, the SFT term, and on-policy distillation's
+    losses (the teacher's top-k, k1 as the policy gradient's reward, k3 beside the task's loss, which the check
+    finds to be the sum of the two) (fp32): one process with micro-batches of 8 packed sequences (each
     group's prompt held once), against two processes with micro-batches of 1 padded sequence (every prompt with
     each response), at the defaults (packed rows cut by a token budget, sharing prompts), and as one Ulysses
     group of two that each hold a slice of every sequence (not sharing), and two such groups side by side (dp 2 x

@@ -578,6 +578,48 @@ def test_verls_rollout_correction_recipes_train_a_step(tmp_path, vllm_llama, rl_
     assert step == "1" and float(metrics["actor/grad_norm"]) > 0 and "actor/rollout_rs_masked_fraction" in metrics, metrics
 
 
+GDPO_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    accuracy = solution_str.count("e") / max(len(solution_str), 1)
+    form = float(len(solution_str) > 10)
+    return {"score": accuracy + form, "accuracy_reward": accuracy, "format_reward": form}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the recipes roll out with vLLM, which is not installed")
+@pytest.mark.parametrize("script, env", [("on_policy_distillation/run_qwen3_8b_fsdp.sh", {}),
+                                         ("on_policy_distillation/run_qwen3_8b_fsdp.sh", {"USE_POLICY_GRADIENT": "False", "DISTILLATION_LOSS_MODE": "k3"}),
+                                         ("gdpo/run_qwen3_8b_fsdp.sh", {})],
+                         ids=["distillation_k1_policy_gradient", "distillation_k3_supervised", "gdpo"])
+def test_verls_distillation_and_gdpo_recipes_train_a_step(tmp_path, tokenizer, vllm_llama, rl_data, script, env):
+    """On-policy distillation as verl main's recipe sets it (a teacher of the student's vocabulary, one response a
+    prompt, no task rewards; k1 as the policy gradient's reward, and k3 as a supervised loss) and GDPO with its
+    reward manager (a reward function's dict of rubric scores), vLLM rollouts, on 2 CPU processes with the launcher,
+    paths, model and sizes changed: check passes, then a step, the distillation or the rubric's scores logged."""
+    _, args = launch_arguments(EXAMPLES / "recipes" / script, env=env)
+    out = str(tmp_path / "run")
+    local = {**sizes_and_paths(vllm_llama, rl_data, out), **EXAMPLE_SIZES, "trainer.total_training_steps": 1, "trainer.test_freq": 1}
+    if script.startswith("gdpo"):
+        (tmp_path / "rubric.py").write_text(GDPO_REWARD)
+        local["reward.custom_reward_function.path"] = tmp_path / "rubric.py"
+    else:
+        local["distillation.teacher_models.teacher_model.model_path"] = save_tiny_model(
+            tmp_path / "teacher", "llama", tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=64, initializer_range=0.2)
+        local["distillation.teacher_models.teacher_model.log_prob_micro_batch_size_per_gpu"] = 2
+    args = with_local(args, local)
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0
+    result = torchrun(2, "fsdptrain.grpo_trainer", args)
+    ((step, line),) = console_steps(result.stdout)
+    metrics = dict(item.rsplit(" ", 1) for item in line.split(" | "))
+    assert step == "1" and float(metrics["actor/grad_norm"]) > 0, metrics
+    if script.startswith("gdpo"):
+        assert {"critic/rewards/accuracy_reward/mean", "critic/rewards/format_reward/mean"} <= metrics.keys(), metrics
+    else:
+        assert float(metrics["actor/distillation/loss"]) != 0 and ("actor/distillation/pg_clipfrac" in metrics) == (not env), metrics
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the example rolls out with vLLM, which is not installed")
 def test_verl_09s_gpt_oss_example_is_refused_with_vllm_on_cpu_and_trains_on_the_hf_engine(tmp_path, tokenizer, rl_data, capsys):

@@ -273,6 +273,69 @@ class ActorRolloutRefConfig:
     ref: RefConfig
 
 
+DISTILLATION_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # one-sample estimators of the KL to the teacher
+DISTILLATION_LOSS_MODES = ("forward_kl_topk", *DISTILLATION_ESTIMATORS)
+
+
+@dataclass
+class DistillationLossConfig:
+    loss_mode: str
+    topk: int | None
+    use_task_rewards: bool
+    distillation_loss_coef: float
+    loss_max_clamp: float | None
+    log_prob_min_clamp: float | None
+    use_policy_gradient: bool
+    policy_loss_mode: str
+    clip_ratio: float
+    clip_ratio_low: float | None
+    clip_ratio_high: float | None
+
+
+@dataclass
+class TeacherModelConfig:
+    model_path: str | None
+    log_prob_micro_batch_size_per_gpu: int
+    fsdp_config: RefFSDPConfig
+
+
+@dataclass
+class TeacherModelsConfig:
+    teacher_model: TeacherModelConfig
+
+
+@dataclass
+class DistillationConfig:
+    enabled: bool
+    distillation_loss: DistillationLossConfig
+    teacher_models: TeacherModelsConfig
+
+
+def validate_distillation(distillation: DistillationConfig) -> None:
+    if not distillation.enabled:
+        return
+    loss, key = distillation.distillation_loss, "distillation.distillation_loss"
+    teacher, teacher_key = distillation.teacher_models.teacher_model, "distillation.teacher_models.teacher_model"
+    if not teacher.model_path:
+        raise ConfigError(f"distillation.enabled=true needs {teacher_key}.model_path: the teacher's local Hugging Face model folder")
+    one_of(f"{key}.loss_mode", loss.loss_mode, DISTILLATION_LOSS_MODES)
+    one_of(f"{key}.policy_loss_mode", loss.policy_loss_mode, ("vanilla",))
+    if loss.loss_mode == "forward_kl_topk" and (loss.topk is None or loss.topk < 1):
+        raise ConfigError(f"{key}.loss_mode=forward_kl_topk needs {key}.topk >= 1, got {loss.topk}")
+    if loss.loss_mode == "k1" and not loss.use_policy_gradient:
+        raise ConfigError(f"{key}.loss_mode=k1 with {key}.use_policy_gradient=false: the gradient of k1 (log pi - log teacher) "
+                          f"does not depend on the teacher; use k1 as a reward ({key}.use_policy_gradient=true) or another loss_mode")
+    if loss.loss_max_clamp is not None and loss.loss_max_clamp <= 0:
+        raise ConfigError(f"{key}.loss_max_clamp must be > 0 (or null), got {loss.loss_max_clamp}")
+    positive(f"{key}.clip_ratio", loss.clip_ratio)
+    positive(f"{teacher_key}.log_prob_micro_batch_size_per_gpu", teacher.log_prob_micro_batch_size_per_gpu)
+    validate_fsdp_size(teacher.fsdp_config.fsdp_size, f"{teacher_key}.fsdp_config.fsdp_size")
+    one_of(f"{teacher_key}.fsdp_config.model_dtype", teacher.fsdp_config.model_dtype, DTYPE_NAMES)
+    if loss.loss_mode == "forward_kl_topk" and loss.use_policy_gradient:
+        warnings.warn(f"{key}.loss_mode=forward_kl_topk with use_policy_gradient=true: the policy gradient moves only the "
+                      "sampled token's log-prob, so the teacher's top-k distribution is mostly unused (verl warns likewise)", stacklevel=3)
+
+
 @dataclass
 class CriticModelConfig(ModelConfig):
     path: str
@@ -632,6 +695,7 @@ class GRPOConfig:
     custom_reward_function: CustomRewardConfig
     reward: RewardConfig
     reward_model: RewardModelConfig
+    distillation: DistillationConfig
     trainer: GRPOTrainerConfig
 
 
@@ -649,6 +713,7 @@ def own_checks(config: GRPOConfig) -> list[Callable[[], None]]:
         lambda: check_adapter_export(config.trainer.checkpoint, model, "actor_rollout_ref.model"),
         lambda: validate_rollout(rollout, actor.ulysses_sequence_parallel_size),
         lambda: validate_ref(config.actor_rollout_ref.ref),
+        lambda: validate_distillation(config.distillation),
         lambda: validate_algorithm(config.algorithm),
         lambda: validate_reward_shaping(config.algorithm),
         lambda: validate_reward_model(config.reward_model, data.max_response_length),

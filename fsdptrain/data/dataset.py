@@ -24,8 +24,8 @@ class DataError(UserError, ValueError):
 class Sample:
     input_ids: torch.Tensor  # (length,) int64
     loss_mask: torch.Tensor  # (length,) int64, 1 where the token is a training target
-    # Per-token loss inputs aligned with input_ids (an RL advantage, an old log-prob): collation shifts them
-    # like the labels, so each sits at the position that predicts its token.
+    # Per-token loss inputs aligned with input_ids along their first dimension (an RL advantage, an old log-prob, a
+    # teacher's top-k): collation shifts them like the labels, so each sits at the position that predicts its token.
     token_values: dict[str, torch.Tensor] = field(default_factory=dict)
     # Leading tokens (an RL prompt) that a packed row may hold once for the samples next to it that begin with
     # the same ones; 0: none.

@@ -102,7 +102,7 @@ def _shifted(sample: Sample) -> dict[str, torch.Tensor]:
     labels[:-1] = torch.where(sample.loss_mask[1:].bool(), sample.input_ids[1:], IGNORE_INDEX)
     targets = {"labels": labels}
     for name, values in sample.token_values.items():
-        targets[name] = torch.cat([values[1:], values.new_zeros(1)])
+        targets[name] = torch.cat([values[1:], values.new_zeros((1, *values.shape[1:]))])
     return targets
 
 
@@ -151,7 +151,7 @@ def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1, share_pr
     shifted = [_shifted(s) for s in samples]
     targets = {}
     for name in shifted[0]:
-        padding = torch.full((pad,), IGNORE_INDEX) if name == "labels" else shifted[0][name].new_zeros(pad)
+        padding = torch.full((pad,), IGNORE_INDEX) if name == "labels" else shifted[0][name].new_zeros((pad, *shifted[0][name].shape[1:]))
         targets[name] = torch.cat([t[name] for t in shifted] + [padding])[None]
     inputs = {"input_ids": torch.cat(pieces)[None], "position_ids": torch.cat(positions)[None],
               "cu_seq_lens_q": _cumulative(query_lengths), "max_length_q": max(query_lengths)}
@@ -177,7 +177,8 @@ def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
     }
     shifted = [_shifted(s) for s in samples]
     targets = {
-        name: torch.full(shape, IGNORE_INDEX) if name == "labels" else shifted[0][name].new_zeros(shape) for name in shifted[0]
+        name: torch.full(shape, IGNORE_INDEX) if name == "labels" else values.new_zeros((*shape, *values.shape[1:]))
+        for name, values in shifted[0].items()
     }
     for row, (sample, sample_targets) in enumerate(zip(samples, shifted)):
         n = len(sample)

@@ -105,11 +105,12 @@ def distribution_statistic(log_softmax: torch.Tensor, statistic: str) -> torch.T
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, statistic):
-        log_probs = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        # targets (T, K): K tokens' log-probs at each row
+        log_probs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         values = torch.empty(len(targets) if statistic else 0, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(chunk_tokens):
             log_softmax = _chunk_log_softmax(hidden[rows], weight, temperature)
-            log_probs[rows] = log_softmax.gather(1, targets[rows, None]).squeeze(1)
+            log_probs[rows] = log_softmax.gather(1, targets[rows])
             if statistic:
                 values[rows] = distribution_statistic(log_softmax, statistic)
         ctx.save_for_backward(hidden, weight, targets)
@@ -127,18 +128,19 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         weight_grad = torch.zeros_like(weight) if grad_weight else None
         with_entropy = entropy_grad is not None and entropy_grad.numel() > 0
         if log_probs_grad is None:
-            log_probs_grad = torch.zeros(len(targets), dtype=torch.float32, device=hidden.device)
+            log_probs_grad = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(ctx.chunk_tokens):
-            h, y, g = hidden[rows], targets[rows], log_probs_grad[rows, None]
+            h, y, g = hidden[rows], targets[rows], log_probs_grad[rows]
+            g_sum = g.sum(dim=1, keepdim=True)
             log_softmax = _chunk_log_softmax(h, weight, ctx.temperature)
             # With z = logits / temperature: d log p_y / dz = onehot(y) - p, and d H / dz = -p (log p + H).
             if with_entropy:
                 probs = log_softmax.exp()
                 entropy = -(probs * log_softmax).sum(dim=1, keepdim=True)
-                z_grad = log_softmax.add_(entropy).mul_(probs).mul_(-entropy_grad[rows, None]).sub_(probs.mul_(g))
+                z_grad = log_softmax.add_(entropy).mul_(probs).mul_(-entropy_grad[rows, None]).sub_(probs.mul_(g_sum))
             else:
-                z_grad = log_softmax.exp_().mul_(-g)
-            z_grad[torch.arange(len(y), device=y.device), y] += g.squeeze(1)
+                z_grad = log_softmax.exp_().mul_(-g_sum)
+            z_grad.scatter_add_(1, y, g)
             if ctx.temperature != 1.0:
                 z_grad.div_(ctx.temperature)
             logits_grad = z_grad.to(h.dtype)
@@ -152,11 +154,13 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 def chunked_token_log_probs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int, statistic: str | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(hidden[t] @ weight.T / temperature)[targets[t]] for every row t, fp32, shape (T,); with a
-    `statistic` (distribution_statistic's) also that of each row's distribution (else None). The backward takes
-    any per-token upstream gradient (and the entropy's) and recomputes the logits chunk by chunk."""
-    log_probs, values = _ChunkedTokenLogProbs.apply(hidden, weight, targets, temperature, chunk_tokens, statistic)
-    return log_probs, values if statistic else None
+    """log softmax(hidden[t] @ weight.T / temperature)[targets[t]] for every row t, fp32, shape (T,) (or (T, K) for
+    targets (T, K): K tokens of each row); with a `statistic` (distribution_statistic's) also that of each row's
+    distribution (else None). The backward takes any per-token upstream gradient (and the entropy's) and
+    recomputes the logits chunk by chunk."""
+    log_probs, values = _ChunkedTokenLogProbs.apply(hidden, weight, targets if targets.dim() == 2 else targets[:, None], temperature, chunk_tokens,
+                                                    statistic)
+    return log_probs.reshape(targets.shape), values if statistic else None
 
 
 # ---- the model's side: backbone, then a loss over the output layer ------------------------------------------------
@@ -235,10 +239,12 @@ def token_log_probs(
     token_rows: torch.Tensor | None = None,
     with_sum_pi_squared: bool = False,
     router: list | None = None,
+    other_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-prob of each label at `temperature` (fp32, the labels' flattened shape (T,), 0 where the
     label is IGNORE_INDEX), and with `with_entropy` each position's entropy (0 there too), or with
-    `with_sum_pi_squared` the sum of its squared probabilities (no gradient), else None.
+    `with_sum_pi_squared` the sum of its squared probabilities (no gradient), else None. With `other_tokens`
+    (T, K), K more token ids at each position, the log-probs are (T, 1 + K): the label's, then theirs.
 
     `token_rows` gives the row position of each label's position where a packed row shares prompts (the
     micro-batch's `token_rows`); without it the labels are aligned with the flattened batch. With a `router` list,
@@ -251,19 +257,46 @@ def token_log_probs(
     def scatter(values: torch.Tensor | None) -> torch.Tensor | None:
         if values is None:
             return None
-        return torch.zeros(len(labels), dtype=values.dtype, device=values.device).index_put((rows,), values)
+        return values.new_zeros((len(labels), *values.shape[1:])).index_put((rows,), values)
 
     assert not (with_entropy and with_sum_pi_squared), "one statistic a pass"
     statistic = "entropy" if with_entropy else "sum_pi_squared" if with_sum_pi_squared else None
+    targets = labels[rows] if other_tokens is None else torch.cat([labels[rows, None], other_tokens.flatten(0, -2)[rows]], dim=1)
     if chunk_tokens and supports_chunking(model):
         def head(hidden: torch.Tensor, weight: torch.Tensor):
-            return chunked_token_log_probs(hidden[hidden_rows], weight, labels[rows], temperature, chunk_tokens, statistic)
+            return chunked_token_log_probs(hidden[hidden_rows], weight, targets, temperature, chunk_tokens, statistic)
         log_probs, values = forward_head(model, inputs, head, router)
     else:
         logits = full_logits(model, inputs, router).flatten(0, 1)[hidden_rows].float() / temperature
         log_softmax = logits.log_softmax(dim=1)
-        log_probs = log_softmax.gather(1, labels[rows, None]).squeeze(1)
+        log_probs = log_softmax.gather(1, targets if targets.dim() == 2 else targets[:, None]).reshape(targets.shape)
         values = distribution_statistic(log_softmax, statistic) if statistic else None
         if statistic == "sum_pi_squared":
             values = values.detach()
     return scatter(log_probs), scatter(values)
+
+
+@torch.no_grad()
+def token_top_k(
+    model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, k: int, chunk_tokens: int, sp_group: ProcessGroup | None = None,
+    token_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """At each position with a label (as token_log_probs aligns them), the model's k most likely next tokens: their
+    log-probs (fp32, (T, k), descending) and ids ((T, k)); zeros where the label is IGNORE_INDEX."""
+    labels = labels.flatten()
+    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    hidden_rows = rows if token_rows is None else token_rows[rows]
+    inputs = with_sp_group(inputs, sp_group)
+
+    def top(log_softmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return log_softmax.topk(k, dim=1)
+
+    if chunk_tokens and supports_chunking(model):
+        def head(hidden: torch.Tensor, weight: torch.Tensor):
+            pieces = [top(_chunk_log_softmax(hidden[chunk], weight, 1.0)) for chunk in hidden_rows.split(chunk_tokens)]
+            return (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])) if pieces else top(hidden.new_zeros((0, k)).float())
+        values, ids = forward_head(model, inputs, head)
+    else:
+        values, ids = top(full_logits(model, inputs, None).flatten(0, 1)[hidden_rows].float().log_softmax(dim=1))
+    scatter = lambda x: x.new_zeros((len(labels), k)).index_put((rows,), x)  # noqa: E731
+    return scatter(values), scatter(ids)

@@ -25,6 +25,7 @@ from fsdptrain.models.router_balance import RouterBalance, sequence_ids, sequenc
 from fsdptrain.optim import clipped_step
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.balance import Dealt, deal_groups, return_token_values
+from fsdptrain.rl.distillation import TEACHER_TOPK_IDS, DistillationSettings, distillation_loss
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class LossSettings:
     max_response_length: int
     skip_zero_advantage: bool  # only where no term but the policy loss trains a response
     router_balance: RouterBalance | None = None  # the MoE routers' load-balancing loss, where the model's config asks for it
+    distillation: DistillationSettings | None = None  # on-policy distillation's loss (the samples carry the teacher's token values)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def store_token_values(per_position: torch.Tensor, micro_batch: list[Sample] | N
     for row, sample in enumerate(micro_batch):
         offset = start if packed else row * width
         values = per_position[offset : offset + len(sample)].detach().cpu()
-        sample.token_values[key] = torch.cat([torch.zeros(1), values[:-1]])  # position t predicts token t + 1
+        sample.token_values[key] = torch.cat([values.new_zeros((1, *values.shape[1:])), values[:-1]])  # position t predicts token t + 1
         start += len(sample)
 
 
@@ -237,6 +239,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
                                                sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
         sums["sft_loss"] = 0.0
     balance = RouterBalanceTerm.of(mini, loss_settings.router_balance, parallel, sums)
+    distillation = loss_settings.distillation
     trained, dealt = samples_to_train(mini, loss_settings.skip_zero_advantage, forward.share_prompts, parallel)
     # sized for the dealt copies' renumbered ids and for mini[0], which the empty pass below forwards
     num_sequences = int(max(s.token_values["sequence"][0] for s in mini + trained)) + 1
@@ -244,11 +247,16 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
     # the optimizer zero gradients to step on (AdamW's momentum and decay), as without skipping
     micro_batches = plan_micro_batches(trained, batching, parallel) or [None]
     for micro_batch, batch in forward_batches(micro_batches, mini[:1], forward.packed, forward.pad_id, parallel, forward.share_prompts):
-        targets = {k: v.flatten() for k, v in batch.targets.items()}
+        targets = {k: v.flatten(0, 1) for k, v in batch.targets.items()}
         mask = (targets["labels"] != IGNORE_INDEX).float() * (0.0 if micro_batch is None else 1.0)
         router = [] if balance is not None else None
+        teacher_ids = targets[TEACHER_TOPK_IDS] if distillation is not None and distillation.uses_topk else None
         log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], forward.temperature, forward.chunked_loss_tokens,
-                                             with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows, router=router)
+                                             with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows, router=router,
+                                             other_tokens=teacher_ids)
+        student_topk = None
+        if teacher_ids is not None:  # the sampled token's log-prob, then the teacher's top-k tokens'
+            log_probs, student_topk = log_probs[:, 0], log_probs[:, 1:]
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
         if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
             store_token_values(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
@@ -268,6 +276,9 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
             nll = -log_probs * targets["sft"] * mask
             loss = loss + loss_settings.sft_coef * nll.sum() / max(sft_tokens, 1.0)
             sums["sft_loss"] += float(nll.detach().sum()) * mini_tokens / max(sft_tokens, 1.0)
+        if distillation is not None:  # without the task's rewards the distillation loss is the whole loss, as verl's
+            task_loss = loss if distillation.use_task_rewards else 0.0
+            loss = task_loss + distillation.weight * distillation_loss(distillation, tokens, student_topk, targets, per_token, sums)
         if balance is not None and micro_batch is not None:
             loss = loss + balance.loss(router, batch.inputs, len(micro_batch), sums)
         (loss * parallel.world_size).backward()  # FSDP averages gradients over ranks

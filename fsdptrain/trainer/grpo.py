@@ -63,8 +63,9 @@ from fsdptrain.rl.rollout.remote import RemoteRollout, RolloutServer
 from fsdptrain.rl.rollout_correction import rollout_agreement
 from fsdptrain.rl.samples import make_samples
 from fsdptrain.rl.sampling import Group, GroupSampler, PromptCursor, fit_prompts, flatten, local_answers
+from fsdptrain.rl.teacher import Teacher
 from fsdptrain.rl.validation import validate_on_ranks
-from fsdptrain.trainer.grpo_plan import GRPOPlan, RewardModelPlan, RewardPlan, fit_to_architecture
+from fsdptrain.trainer.grpo_plan import GRPOPlan, RewardModelPlan, RewardPlan, TeacherPlan, fit_to_architecture
 from fsdptrain.trainer.runtime import memory_held_gb, peak_memory_gb
 from fsdptrain.trainer.setup import (
     ModelSpec,
@@ -97,6 +98,7 @@ class GRPOStep:
     engine: RolloutEngine | None  # None: standalone rollout ranks generate (the sampler's `remote`)
     sampler: GroupSampler
     critic: Critic | None  # PPO's (a critic estimator)
+    teacher: Teacher | None  # on-policy distillation's
     kl_ctrl: core_algos.KLController | None  # the KL in the reward
     shaping: RewardShaping  # reward normalization and clipping
     # verl's param_offload / optimizer_offload: what leaves the device while the rollouts are generated (and the
@@ -120,6 +122,9 @@ class GRPOStep:
         metrics.update(old_metrics)
         if self.reference is not None:
             self.reference_log_probs(samples, timer)
+        if self.teacher is not None:
+            with timer("teacher"):
+                self.teacher.score(samples, self.actor.forward, parallel)
         if self.critic is not None:
             with timer("values"):
                 self.critic_offload.params_back()
@@ -247,6 +252,7 @@ class GRPOInputs:
     added: AddedTokens | None  # actor_rollout_ref.model.added_tokens_file's
     critic_config: PretrainedConfig | None  # critic.model.path's, with its value head (PPO)
     reward_config: PretrainedConfig | None  # reward_model.model.path's (reward_model.enable)
+    teacher_config: PretrainedConfig | None  # distillation.teacher_models.teacher_model.model_path's (distillation.enabled)
     loops: dict[str, Loop]  # the agent loops the rows name, built (and so checked) before the engine they are given exists
 
 
@@ -274,8 +280,9 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "prompts")
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
     reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
+    teacher_config = teacher_model_config(plan.teacher.spec, tokenizer, plan.sp_size) if plan.teacher is not None else None
     return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, critic_config=critic_config, reward_config=reward_config,
-                      loops=loops)
+                      teacher_config=teacher_config, loops=loops)
 
 
 def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -299,6 +306,7 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     if plan.shaping.norm == "running":
         states["reward_norm"] = shaping
     reference = build_reference(plan, parallel, hf_config, inputs.added)
+    teacher = build_teacher(plan, parallel, inputs.teacher_config) if plan.teacher is not None else None
     companions = {}
     if critic is not None:
         companions["critic"] = (critic.model, critic.optimizer)
@@ -307,7 +315,7 @@ def run_grpo(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> None:
     run = open_run(parallel, trainer, plan.actor_model, hf_config, tokenizer, total_steps=total_steps, run_config=plan.run_config, states=states,
                    companions=companions, added=inputs.added)
     scorer = Scorer(inputs.reward_fn, tokenizer, plan.overlong, batch_sources(plan.reward, plan, parallel, tokenizer, inputs.reward_config))
-    step_once = build_step(plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic, pool)
+    step_once = build_step(plan, run, reference, train, scorer, cursor, kl_ctrl, shaping, critic, pool, teacher)
     engine, sampler = step_once.engine, step_once.sampler
     if engine is not None:
         for loop in inputs.loops.values():
@@ -470,6 +478,29 @@ def build_critic(plan: GRPOPlan, parallel: Parallel, total_steps: int, hf_config
                   settings.update, settings.update_batching, settings.forward_batching)
 
 
+def teacher_model_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, sp_size: int) -> PretrainedConfig:
+    """The teacher's config, checked before any process starts: it scores the policy's token ids, so it shares the
+    policy's vocabulary (as verl requires of a teacher)."""
+    key = "distillation.teacher_models.teacher_model.model_path"
+    hf_config = load_model_config(spec.path, key, spec.model, sp_size)
+    teacher_tokenizer = load_tokenizer(spec.path, key, spec.model)
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab() or hf_config.vocab_size < len(tokenizer):
+        raise ConfigError(f"{key}={spec.path!r} has another vocabulary than actor_rollout_ref.model.path's tokenizer: the teacher "
+                          "scores the policy's token ids, so the two must share their tokenizer")
+    return hf_config
+
+
+def build_teacher(plan: GRPOPlan, parallel: Parallel, hf_config: PretrainedConfig) -> Teacher:
+    """On-policy distillation's teacher (`hf_config`: its config, teacher_model_config's), frozen and sharded by its
+    own fsdp_config, in host memory between its forwards where it offloads."""
+    spec: TeacherPlan = plan.teacher
+    model = build_sharded_model(spec.spec.path, spec.spec.model, spec.spec.fsdp, hf_config, plan.trainer, parallel, spec.spec.packed,
+                                trainable=False)
+    offload = PhaseOffload(model, None, spec.spec.fsdp.param_offload, False)
+    offload.leave()
+    return Teacher(model, spec.batching, offload, plan.loss.distillation, read_architecture(hf_config).shares_prompts)
+
+
 def build_reference(plan: GRPOPlan, parallel: Parallel, hf_config: PretrainedConfig, added: AddedTokens | None) -> nn.Module | None:
     """The frozen reference, sharded by its own fsdp_config (with the `added` tokens' rows the actor starts from), where the
     KL needs one and LoRA does not give it (the actor's own weights, adapters off); built before the run's
@@ -487,10 +518,10 @@ def answer_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Prompt], lis
 
 def build_step(plan: GRPOPlan, run: Run, reference: nn.Module | None, train: list, scorer: Scorer,
                cursor: PromptCursor, kl_ctrl: core_algos.KLController | None, shaping: RewardShaping, critic: Critic | None,
-               pool: ResponsePool | None) -> GRPOStep:
+               pool: ResponsePool | None, teacher: Teacher | None) -> GRPOStep:
     """The step's parts, built with the plan's settings: the actor on the run's model, the reference (LoRA's: the
     actor's model), the rollout engine (without weights until the first sync) and the sampler that drives it; the
-    critic, a standalone reference and colocate_async's pool come built (their states were resumed with the run's)."""
+    critic, a standalone reference, the teacher and colocate_async's pool come built (their states were resumed with the run's)."""
     parallel, trainer = run.parallel, plan.trainer
     policy = PolicyActor(run.model, run.optimizer, run.scheduler, parallel, plan.forward, plan.loss, plan.update, plan.update_batching,
                          plan.log_prob_batching, run.trained_rows)
@@ -518,4 +549,4 @@ def build_step(plan: GRPOPlan, run: Run, reference: nn.Module | None, train: lis
                            answer_ids=answer_encoder(scorer.tokenizer) if plan.add_ground_truth else None, pool=pool)
     if pool is not None:
         pool.bind(engine, sampler.batch_prompts)
-    return GRPOStep(plan, policy, reference, engine, sampler, critic, kl_ctrl, shaping, actor_offload, reference_offload, critic_offload)
+    return GRPOStep(plan, policy, reference, engine, sampler, critic, teacher, kl_ctrl, shaping, actor_offload, reference_offload, critic_offload)

@@ -19,6 +19,7 @@ from fsdptrain.config.grpo import (
     CRITIC,
     ROLLOUT,
     CustomRewardConfig,
+    DistillationConfig,
     GRPOConfig,
     GRPOTrainerConfig,
     KLControlConfig,
@@ -52,6 +53,7 @@ from fsdptrain.rl.core_algos import (
     RejectionRule,
 )
 from fsdptrain.rl.critic import ValueLossSettings
+from fsdptrain.rl.distillation import DistillationSettings
 from fsdptrain.rl.reference_sync import ReferenceSync
 from fsdptrain.rl.reward_shaping import ShapingSettings
 from fsdptrain.rl.rewards import VERIFIERS, OverlongBuffer
@@ -74,6 +76,15 @@ class CriticPlan:
     update: UpdateSettings
     update_batching: MicroBatching
     forward_batching: MicroBatching
+
+
+@dataclass(frozen=True)
+class TeacherPlan:
+    """On-policy distillation's teacher (distillation.teacher_models.teacher_model): its model and micro-batches;
+    its loss is the actor's (LossSettings.distillation)."""
+
+    spec: ModelSpec
+    batching: MicroBatching
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,7 @@ class GRPOPlan:
     critic_warmup: int
     weight_bucket_bytes: int
     critic: CriticPlan | None  # with a critic estimator (or critic.enable)
+    teacher: TeacherPlan | None  # distillation.enabled
     multi_turn: MultiTurnSettings | None
     default_agent_loop: str  # for rows without `agent_name`
     overlong: OverlongBuffer | None
@@ -258,7 +270,7 @@ def check_groups(config: GRPOConfig, derived: Derived) -> None:
     estimator = algorithm.adv_estimator
     if needs is None:  # check_names' to report
         return
-    if n < needs.min_group_size:
+    if n < needs.min_group_size and not replaces_task_loss(config.distillation):
         raise ConfigError(f"algorithm.adv_estimator={estimator} compares responses of one prompt: {ROLLOUT}.n must be >= {needs.min_group_size}, got {n}")
     if algorithm.filter_groups.enable and n < 2:
         raise ConfigError(f"algorithm.filter_groups keeps the groups whose responses differ: {ROLLOUT}.n must be >= 2, got {n}")
@@ -274,6 +286,23 @@ def check_groups(config: GRPOConfig, derived: Derived) -> None:
                           "forward pass, which algorithm.rollout_correction.bypass_mode skips")
     if algorithm.reward_norm == "group" and n < 2:
         raise ConfigError(f"algorithm.reward_norm=group normalizes over each prompt's responses: {ROLLOUT}.n must be >= 2, got {n}")
+
+
+def replaces_task_loss(distillation: DistillationConfig) -> bool:
+    """Whether the distillation loss is the actor's whole loss (no task rewards): the advantages then train nothing."""
+    return distillation.enabled and not distillation.distillation_loss.use_task_rewards
+
+
+def check_distillation(config: GRPOConfig, derived: Derived) -> None:
+    """What on-policy distillation asks of the other sections (the teacher's own files are read with the inputs)."""
+    if not config.distillation.enabled:
+        return
+    actor, key = config.actor_rollout_ref.actor, "distillation.enabled=true"
+    if actor.skip_zero_advantage:
+        raise ConfigError(f"{key} with {ACTOR}.skip_zero_advantage=true: the distillation loss trains every response, whatever its advantage")
+    if derived.uses_critic and replaces_task_loss(config.distillation):
+        raise ConfigError(f"{key} with distillation.distillation_loss.use_task_rewards=false and a critic (algorithm.adv_estimator="
+                          f"{config.algorithm.adv_estimator}): the policy learns from the teacher alone, so nothing uses the critic's values")
 
 
 def warn_about_estimates(config: GRPOConfig, derived: Derived) -> None:
@@ -529,6 +558,9 @@ def check_layout(config: GRPOConfig, world: World, derived: Derived) -> None:
     check_fsdp_size(config.actor_rollout_ref.ref.fsdp_config.fsdp_size, world.world_size, "actor_rollout_ref.ref.fsdp_config.fsdp_size")
     if config.reward_model.enable:
         check_fsdp_size(config.reward_model.model.fsdp_config.fsdp_size, world.world_size, "reward_model.model.fsdp_config.fsdp_size")
+    if config.distillation.enabled:
+        check_fsdp_size(config.distillation.teacher_models.teacher_model.fsdp_config.fsdp_size, world.world_size,
+                        "distillation.teacher_models.teacher_model.fsdp_config.fsdp_size")
     if world.world_size % tp:
         raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size ({tp}) must divide the number of processes ({world.world_size}): "
                           "each engine spans that many consecutive ranks")
@@ -568,6 +600,7 @@ def plan_checks(config: GRPOConfig, world: World) -> list[Callable[[], None]]:
         lambda: check_reward_model_layout(config),
         lambda: check_decoupled_sources(config, derived),
         lambda: check_reference_sync(config),
+        lambda: check_distillation(config, derived),
         lambda: check_beam_search(config, derived),
         lambda: check_add_gt(config, derived),
         lambda: check_mini_batches(data.train_batch_size, actor.ppo_mini_batch_size),
@@ -638,7 +671,8 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
                                 bypass and correction.rollout_is_batch_normalize, rules if bypass else ())
     loss = LossSettings(loss_mode, actor.loss_agg_mode, derived.policy_agg_mode, policy,
                         actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None, actor.kl_loss_type, actor.sft_loss_coef,
-                        actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage)
+                        actor.loss_scale_factor, data.max_response_length, actor.skip_zero_advantage,
+                        distillation=distillation_settings(config.distillation))
     engine = EngineSpec(model.path, compute_dtype(actor.fsdp_config.mixed_precision.param_dtype, world.device), world.device, pad_id,
                         model.trust_remote_code, sequence_length(config), trainer.seed + engine_index(world.rank, rollout.tensor_model_parallel_size),
                         rollout.tensor_model_parallel_size, rollout.free_cache_engine, rollout_engine_settings(config, world, derived.engine))
@@ -693,6 +727,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
         critic_warmup=trainer.critic_warmup,
         weight_bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
         critic=critic,
+        teacher=teacher_plan(config),
         multi_turn=MultiTurnSettings(multi_turn.max_assistant_turns, multi_turn.max_user_turns, multi_turn.max_parallel_calls,
                                      multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side, multi_turn.format,
                                      multi_turn.tokenization_sanity_check_mode, multi_turn.tool_timeout_s) if multi_turn.enable else None,
@@ -744,6 +779,26 @@ def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:
     resharding, with its own offloads, shard group size and weights' dtype."""
     return replace(actor, cpu_offload=own.cpu_offload, fsdp_size=own.fsdp_size, model_dtype=own.model_dtype, param_offload=own.param_offload,
                    optimizer_offload=False)
+
+
+def distillation_settings(distillation: DistillationConfig) -> DistillationSettings | None:
+    if not distillation.enabled:
+        return None
+    loss = distillation.distillation_loss
+    policy = PolicyLossSettings(loss.clip_ratio_low if loss.clip_ratio_low is not None else loss.clip_ratio,
+                                loss.clip_ratio_high if loss.clip_ratio_high is not None else loss.clip_ratio)  # clip_ratio_c: verl's 3
+    return DistillationSettings(loss.loss_mode, loss.topk or 0, loss.use_task_rewards, loss.distillation_loss_coef, loss.loss_max_clamp,
+                                loss.log_prob_min_clamp, loss.use_policy_gradient, policy)
+
+
+def teacher_plan(config: GRPOConfig) -> TeacherPlan | None:
+    if not config.distillation.enabled:
+        return None
+    teacher, key = config.distillation.teacher_models.teacher_model, "distillation.teacher_models.teacher_model"
+    model = config.actor_rollout_ref.model
+    loading = ModelConfig(model.trust_remote_code, enable_gradient_checkpointing=False, attn_implementation=model.attn_implementation)
+    spec = ModelSpec(teacher.model_path, loading, frozen_fsdp(config.actor_rollout_ref.actor.fsdp_config, teacher.fsdp_config), model.use_remove_padding)
+    return TeacherPlan(spec, actor_batching(config, teacher.log_prob_micro_batch_size_per_gpu, f"{key}.log_prob_micro_batch_size_per_gpu"))
 
 
 def reward_plan(config: GRPOConfig) -> RewardPlan:

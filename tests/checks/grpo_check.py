@@ -1,5 +1,5 @@
-"""Run under torchrun by test_grpo.py: one GRPO mini-batch's gradient, for every loss mode and aggregation mode,
-written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared; and the old
+"""Run under torchrun by test_grpo.py: one GRPO mini-batch's gradient, for every loss mode and aggregation mode and
+for on-policy distillation's losses (a teacher's top-k carried as (length, k) token values), written by rank 0 to OUT so that layouts (ranks, micro-batch size, packing) can be compared; and the old
 log-probs that the one-pass update keeps, checked here against a separate pass.
 
     python -m torch.distributed.run --nproc_per_node=N -m tests.checks.grpo_check MODEL_DIR OUT MICRO PACKED SP [balance]
@@ -23,6 +23,7 @@ from fsdptrain.models.loading import load_model_config
 from fsdptrain.rl.actor import compute_log_probs, has_advantage, mini_batch_backward
 from fsdptrain.rl.balance import deal_groups
 from fsdptrain.rl.core_algos import LOSS_AGG_MODES, POLICY_LOSSES
+from fsdptrain.rl.distillation import TEACHER_LOG_PROB, TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS
 from fsdptrain.trainer.grpo_plan import actor_batching, fit_to_architecture, plan_grpo
 from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
 from tests.checks.common import relative_gap, two_groups
@@ -94,6 +95,29 @@ def main() -> None:
     }
     # the SFT term on the responses marked correct (token values `sft`), over their global token count
     gradients["vanilla token-mean sft"] = gradient("actor_rollout_ref.actor.sft_loss_coef=0.5")
+
+    # On-policy distillation from a teacher's token values drawn here (its top-k: (length, k) values through the
+    # packing, the padding and the Ulysses slices): the top-k forward KL and k3 alone, k1 as the policy gradient's
+    # reward, and k3 beside the task's loss, which is the sum of the two
+    for sample, index in zip(mine, range(parallel.dp_rank, 8, parallel.dp_size)):
+        g = torch.Generator().manual_seed(200 + index)
+        sample.token_values[TEACHER_LOG_PROB] = -torch.rand(len(sample), generator=g) * 6
+        sample.token_values[TEACHER_TOPK_IDS] = torch.randint(3, 1000, (len(sample), 4), generator=g)
+        sample.token_values[TEACHER_TOPK_LOG_PROBS] = torch.randn(len(sample), 1000, generator=g).log_softmax(-1)[:, :4] + 2.0
+    teacher = ("distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={model_dir}",
+               "distillation.distillation_loss.topk=4")
+    alone = "distillation.distillation_loss.use_task_rewards=false"
+    gradients["distillation forward_kl_topk"] = gradient(*teacher, alone, "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                                                         "distillation.distillation_loss.log_prob_min_clamp=-9")
+    gradients["distillation k1 policy gradient"] = gradient(*teacher, alone, "distillation.distillation_loss.loss_mode=k1",
+                                                            "distillation.distillation_loss.use_policy_gradient=true",
+                                                            "distillation.distillation_loss.loss_max_clamp=2")
+    distillation_alone = gradient(*teacher, alone, "distillation.distillation_loss.loss_mode=k3")
+    gradients["distillation k3 with the task's loss"] = gradient(*teacher, "distillation.distillation_loss.loss_mode=k3",
+                                                                 "distillation.distillation_loss.distillation_loss_coef=0.5")
+    task_alone = gradient()
+    combined = {name: task_alone[name] + 0.5 * distillation_alone[name] for name in task_alone}
+    assert relative_gap(gradients["distillation k3 with the task's loss"], combined) < 1e-5
 
     # Samples without advantage skipped (skip_zero_advantage): the same gradient. The odd sequences have none, so
     # that under dp 2 one rank forwards nothing of its own; with none left anywhere, the gradients are zeros.

@@ -51,6 +51,11 @@ def load_verl(module: str) -> types.ModuleType | None:
         package = types.ModuleType("verl")
         package.__path__ = [str(UNPACKED)]
         sys.modules["verl"] = package
+        # entered below its __init__ too, which reads every dataset class (`datasets`, `pandas`); the losses only need
+        # its dataset_utils
+        dataset = types.ModuleType("verl.utils.dataset")
+        dataset.__path__ = [str(UNPACKED / "utils" / "dataset")]
+        sys.modules["verl.utils.dataset"] = dataset
     return importlib.import_module(module)
 
 
