@@ -170,6 +170,7 @@ def test_grpo_from_the_sft_export_keeps_the_freeze(tmp_path, tiny_llama, catalog
     assert not torch.equal(end["model.embed_tokens.weight"][ids], start["model.embed_tokens.weight"][ids])
 
 
+@pytest.mark.slow
 def test_grpo_refuses_to_grow_a_model_its_engine_loads_as_it_is(tmp_path, tiny_llama, catalog, rl_data):
     result = subprocess.run([sys.executable, "-m", "fsdptrain.check", "grpo", *grpo_args(tiny_llama, rl_data, str(tmp_path),
                              actor_rollout_ref__model__added_tokens_file=catalog["index"])], cwd=REPO, capture_output=True, text=True, timeout=120)

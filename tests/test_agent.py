@@ -218,6 +218,7 @@ def segments(generation) -> list[tuple[int, list[int]]]:
     return runs
 
 
+@pytest.mark.slow
 def test_trajectories_train_exactly_the_generated_tokens_and_read_tool_output_byte_exact(tool_model, tokenizer):
     """Sampled trajectories: each generated run is exactly what the engine sampled for that turn (replayed greedily
     is not possible, so it is checked as the engine's own output for the same context, with its log-probs), each
@@ -358,6 +359,7 @@ def test_an_environment_answers_each_turn_until_its_cap(tool_model, tokenizer):
     assert (REPO / "fsdptrain/rl/agent/sokoban.py").exists() and json.dumps(board)
 
 
+@pytest.mark.slow
 def test_evaluate_answers_with_the_tool(tmp_path, tool_model):
     """`python -m fsdptrain.evaluate --tool-config`: greedy trajectories through the loop, each record with its turns."""
     rows = [{"prompt": [{"role": "user", "content": f"What is {i + 3} * {2 * i + 5}?"}], "data_source": "arithmetic",

@@ -150,6 +150,7 @@ def test_separate_rollout_ranks_at_lag_zero_are_the_synchronous_run(tmp_path, eo
     assert_the_synchronous_run(out, separate, *sync_runs(training_ranks))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nothing_ahead", [{"trainer__v1__colocate_async__num_warmup_batches": 0},
                                            {"trainer__v1__sampler__max_off_policy_strategy": "wait", "trainer__v1__sampler__max_off_policy_threshold": 0}],
                          ids=["no-warmup-batches", "wait-at-threshold-0"])

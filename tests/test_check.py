@@ -5,6 +5,8 @@ checked, the agent loops built, the critic and reward model read, verl's keys na
 import subprocess
 import sys
 
+import pytest
+
 from fsdptrain.check import main
 
 from conftest import REPO, sft_args
@@ -50,6 +52,7 @@ def test_the_data_and_the_model_are_read_as_training_reads_them(tiny_llama, rl_d
     assert "missing column(s) ['prompt', 'response']" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_it_runs_as_a_command_without_torchrun(tiny_llama, chat_data):
     result = subprocess.run([sys.executable, "-m", "fsdptrain.check", "sft", "--device", "cpu", *sft_args(tiny_llama, chat_data, "unused")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -57,6 +60,7 @@ def test_it_runs_as_a_command_without_torchrun(tiny_llama, chat_data):
     assert "the sft run would start" in result.stdout
 
 
+@pytest.mark.slow
 def test_on_this_machine_the_packages_the_run_imports_are_checked(tiny_llama, rl_data, tmp_path, capsys):
     """--device cpu is this machine: a logger's package or vLLM that does not import here fails the check, naming
     what to install (here both made to fail by broken copies first on the path); for a machine with a GPU, which

@@ -17,6 +17,7 @@ from fsdptrain.models.loss import chunked_token_log_probs, token_top_k
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.distillation import TEACHER_LOG_PROB, TEACHER_TOPK_LOG_PROBS, DistillationSettings, distillation_loss
 
+import make_tiny
 from checks.verl_reference import load_verl
 from conftest import REPO, grpo_config_problems, logged, save_tiny_model, torchrun
 
@@ -193,8 +194,9 @@ def test_several_teachers_and_a_foreign_vocabulary_are_refused(tmp_path, tiny_ll
 
     _, problems = translate(["+distillation.teacher_models.teacher_model2.model_path=/t"], "grpo", 2)
     assert problems and "several teachers" in problems[0], problems
-    teacher = tmp_path / "teacher"
-    subprocess.run([sys.executable, "scripts/make_tiny.py", str(teacher), "--tokenizer", "trained"], cwd=REPO, check=True, capture_output=True)
+    teacher, vocabulary = tmp_path / "teacher", make_tiny.trained_tokenizer()
+    make_tiny.tiny_model("llama", len(vocabulary), seed=0).save_pretrained(teacher)
+    vocabulary.save_pretrained(teacher)
     args = grpo_args(tiny_llama, rl_data, str(tmp_path / "run"), distillation__enabled="true",
                      distillation__teacher_models__teacher_model__model_path=str(teacher))
     assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 1

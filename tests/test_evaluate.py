@@ -151,6 +151,7 @@ def test_bad_rl_rows_are_named(tmp_path, tokenizer):
         load_prompts([str(tmp_path / "cols.parquet")], tokenizer)
 
 
+@pytest.mark.slow
 def test_evaluate_equals_generation_and_scoring_done_here(tmp_path, tiny_llama, arithmetic):
     """The CLI's responses are those of plain greedy `generate` on each prompt alone (its batches are left-padded),
     scored by the user's function; accuracy and its standard error follow from the per-response records."""

@@ -117,6 +117,7 @@ def test_a_reference_in_bf16_beside_an_fp32_actor_is_the_model_rounded_to_bf16(t
     assert abs(read_metrics(straight)[0]["actor/kl_loss"]) < 1e-3 * logged
 
 
+@pytest.mark.slow
 def test_a_run_writes_every_metric_the_rollouts_and_a_checkpoint(straight):
     metrics = read_metrics(straight)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -246,6 +247,7 @@ def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, tiny_llama,
     assert metrics["actor/grad_norm"] == 0.0 and metrics["actor/pg_loss"] == 0.0
 
 
+@pytest.mark.slow
 def test_responses_without_advantage_are_skipped_with_the_same_update(tmp_path, tiny_llama, rl_data):
     """actor.skip_zero_advantage through the CLI: a reward that is 0 for every response of an odd answer's prompt,
     so those groups have no advantage. One step with and without skipping: the same gradient norm and the same

@@ -21,6 +21,7 @@ print(before - anonymous_kb())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and /proc")
 def test_freed_memory_stays_mapped():
     released_kb = {mode: int(subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True).stdout)

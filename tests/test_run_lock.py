@@ -18,6 +18,7 @@ def lock_in_another_process(directory: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_a_held_directory_is_refused_naming_its_holder(tmp_path):
     directory = str(tmp_path / "run")
     run_lock.lock_run_directory(directory)

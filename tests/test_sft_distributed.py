@@ -24,11 +24,12 @@ def reference(tmp_path_factory, tiny_llama, chat_data):
     "nproc, overrides",
     [
         (2, {"data__micro_batch_size_per_gpu": 4, "data__use_dynamic_bsz": "false"}),  # dp=2: one micro-batch per rank
-        (2, {"data__micro_batch_size_per_gpu": 1, "data__use_dynamic_bsz": "false"}),  # dp=2, micro-batch 1: four per rank
-        (2, {"data__use_dynamic_bsz": "true", "data__max_token_len_per_gpu": 300}),  # split by a token budget
-        (2, {"data__micro_batch_size_per_gpu": 1}),  # the default: packed up to 1 x max_length tokens, not 1 sample
+        pytest.param(2, {"data__micro_batch_size_per_gpu": 1, "data__use_dynamic_bsz": "false"}, marks=pytest.mark.slow),  # four per rank
+        pytest.param(2, {"data__use_dynamic_bsz": "true", "data__max_token_len_per_gpu": 300}, marks=pytest.mark.slow),  # by a token budget
+        # the default: packed up to 1 x max_length tokens, not 1 sample
+        pytest.param(2, {"data__micro_batch_size_per_gpu": 1}, marks=pytest.mark.slow),
         (2, {"use_remove_padding": "false"}),  # padded batches through sdpa
-        (2, {"model__fsdp_config__cpu_offload": "true", "model__enable_gradient_checkpointing": "true"}),
+        pytest.param(2, {"model__fsdp_config__cpu_offload": "true", "model__enable_gradient_checkpointing": "true"}, marks=pytest.mark.slow),
     ],
     ids=["dp2", "dp2-mb1", "dp2-dynamic", "dp2-default-token-budget", "dp2-padded", "dp2-offload-checkpointing"],
 )
@@ -38,6 +39,7 @@ def test_layouts_agree_with_balanced_tokens(tmp_path, tiny_llama, chat_data, ref
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
 def test_verls_launch_starts_its_own_workers(tmp_path, tiny_llama, chat_data, reference):
     """`python -m fsdptrain.sft_trainer trainer.n_gpus_per_node=2`, as verl launches, without torchrun: two workers
     started by torch's elastic agent in that process (a worker's config check fails unless the world is 2), a dp=2
@@ -75,6 +77,7 @@ def test_hybrid_sharding_trains_as_sharding_over_every_rank(tmp_path, tiny_llama
     assert_same_run(runs[fsdp_size], runs[-1], atol=1e-6, grad_rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_untied_embedding_in_its_own_fsdp_group(tmp_path, tokenizer, chat_data):
     """An untied input embedding (as in Qwen2-7B, Llama-3) is sharded as a group of its own: dp=2 with
     resharding after forward still trains exactly as one process does."""
@@ -120,6 +123,7 @@ def test_ten_step_run(tmp_path, tiny_llama, chat_data):
         assert "aten::mm" in f.read()  # the step's matmuls were recorded
 
 
+@pytest.mark.slow
 def test_every_logger(tmp_path, tiny_llama, chat_data):
     out = str(tmp_path)
     result = run_sft(1, tiny_llama, chat_data, out, trainer__total_training_steps=2,

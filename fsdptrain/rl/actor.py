@@ -222,6 +222,45 @@ class RouterBalanceTerm:
         return per_sequence * (self.balance.coef / (self.sequences * parallel.sp_size))
 
 
+@dataclass(frozen=True)
+class SFTTerm:
+    """actor.sft_loss_coef's term: a token mean of the NLL over the correct responses' tokens (their token value
+    `sft` 1) of the mini-batch; its metric, that mean, is summed times the mini-batch's tokens over them, as the
+    update divides every sum by the token count."""
+
+    coef: float
+    sft_tokens: float
+    mini_tokens: float
+
+    @classmethod
+    def of(cls, mini: list[Sample], coef: float, parallel: Parallel, sums: dict[str, float]) -> "SFTTerm | None":
+        if not coef:
+            return None
+        sft_tokens, mini_tokens = all_reduce_sum([sum(float((s.token_values["sft"] * s.loss_mask)[1:].sum()) for s in mini),
+                                                  sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
+        sums["sft_loss"] = 0.0
+        return cls(coef, max(sft_tokens, 1.0), mini_tokens)
+
+    def loss(self, log_probs: torch.Tensor, correct: torch.Tensor, sums: dict[str, float]) -> torch.Tensor:
+        """This micro-batch's term, `correct` marking the correct responses' trained tokens."""
+        nll = -log_probs * correct
+        sums["sft_loss"] += float(nll.detach().sum()) * self.mini_tokens / self.sft_tokens
+        return self.coef * nll.sum() / self.sft_tokens
+
+
+def policy_forward(model: nn.Module, batch: MicroBatch, targets: dict[str, torch.Tensor], forward: ForwardSettings, parallel: Parallel,
+                   router: list | None, distillation: DistillationSettings | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A micro-batch's log-probs of its tokens and entropies, and with a top-k distillation loss the log-probs of the
+    teacher's top-k tokens at each position (else None), in one pass of the chunked kernel."""
+    teacher_ids = targets[TEACHER_TOPK_IDS] if distillation is not None and distillation.uses_topk else None
+    log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], forward.temperature, forward.chunked_loss_tokens,
+                                         with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows, router=router,
+                                         other_tokens=teacher_ids)
+    if teacher_ids is None:
+        return log_probs, entropy, None
+    return log_probs[:, 0], entropy, log_probs[:, 1:]  # the sampled token's, then the teacher's top-k tokens'
+
+
 def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBatching, forward: ForwardSettings, loss_settings: LossSettings,
                         parallel: Parallel, first_pass_is_old: bool) -> dict[str, float]:
     """Gradients of one mini-batch's loss (this rank's samples of it), accumulated into the parameters; without
@@ -232,12 +271,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
                                        parallel)
     policy_aggregate = policy_aggregation(mini, loss_settings, parallel, aggregate)
     sums = {key: 0.0 for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "tokens")}
-    if loss_settings.sft_coef:
-        # the SFT term is a token mean over the correct responses' tokens; its metric, that mean, is summed here
-        # times the mini-batch's tokens over them, as the update divides every sum by the token count
-        sft_tokens, mini_tokens = all_reduce_sum([sum(float((s.token_values["sft"] * s.loss_mask)[1:].sum()) for s in mini),
-                                               sum(float(s.loss_mask[1:].sum()) for s in mini)], parallel.device, parallel.dp_group)
-        sums["sft_loss"] = 0.0
+    sft = SFTTerm.of(mini, loss_settings.sft_coef, parallel, sums)
     balance = RouterBalanceTerm.of(mini, loss_settings.router_balance, parallel, sums)
     distillation = loss_settings.distillation
     trained, dealt = samples_to_train(mini, loss_settings.skip_zero_advantage, forward.share_prompts, parallel)
@@ -250,13 +284,7 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
         targets = {k: v.flatten(0, 1) for k, v in batch.targets.items()}
         mask = (targets["labels"] != IGNORE_INDEX).float() * (0.0 if micro_batch is None else 1.0)
         router = [] if balance is not None else None
-        teacher_ids = targets[TEACHER_TOPK_IDS] if distillation is not None and distillation.uses_topk else None
-        log_probs, entropy = token_log_probs(model, batch.inputs, targets["labels"], forward.temperature, forward.chunked_loss_tokens,
-                                             with_entropy=True, sp_group=parallel.ulysses_group, token_rows=batch.token_rows, router=router,
-                                             other_tokens=teacher_ids)
-        student_topk = None
-        if teacher_ids is not None:  # the sampled token's log-prob, then the teacher's top-k tokens'
-            log_probs, student_topk = log_probs[:, 0], log_probs[:, 1:]
+        log_probs, entropy, student_topk = policy_forward(model, batch, targets, forward, parallel, router, distillation)
         old = log_probs.detach() if first_pass_is_old else targets["old_log_prob"]
         if first_pass_is_old and "rollout_log_prob" in targets:  # kept for the engine's agreement metrics
             store_token_values(old, micro_batch, batch, forward.packed, parallel, "old_log_prob")
@@ -272,10 +300,8 @@ def mini_batch_backward(model: nn.Module, mini: list[Sample], batching: MicroBat
             kl = core_algos.kl_penalty(log_probs, targets["ref_log_prob"], loss_settings.kl_type)
             loss = loss + loss_settings.kl_coef * per_token(kl)
             sums["kl_loss"] += float((kl.detach() * mask).sum())
-        if loss_settings.sft_coef:
-            nll = -log_probs * targets["sft"] * mask
-            loss = loss + loss_settings.sft_coef * nll.sum() / max(sft_tokens, 1.0)
-            sums["sft_loss"] += float(nll.detach().sum()) * mini_tokens / max(sft_tokens, 1.0)
+        if sft is not None:
+            loss = loss + sft.loss(log_probs, targets["sft"] * mask, sums)
         if distillation is not None:  # without the task's rewards the distillation loss is the whole loss, as verl's
             task_loss = loss if distillation.use_task_rewards else 0.0
             loss = task_loss + distillation.weight * distillation_loss(distillation, tokens, student_topk, targets, per_token, sums)

@@ -120,11 +120,7 @@ class GRPOStep:
         self.actor_offload.params_back()
         old_metrics, trained = self.old_log_probs(samples, generations, timer)
         metrics.update(old_metrics)
-        if self.reference is not None:
-            self.reference_log_probs(samples, timer)
-        if self.teacher is not None:
-            with timer("teacher"):
-                self.teacher.score(samples, self.actor.forward, parallel)
+        self.frozen_models_score(samples, timer)
         if self.critic is not None:
             with timer("values"):
                 self.critic_offload.params_back()
@@ -191,11 +187,16 @@ class GRPOStep:
             metrics["perf/memory_at_gen_gb"] = max_over_ranks(held, self.actor.parallel.device, self.actor.parallel.group)
         return groups, metrics
 
-    def reference_log_probs(self, samples: list[Sample], timer: StepTimer) -> None:
-        with timer("ref"), adapters_disabled(self.reference):
-            self.reference_offload.params_back()
-            compute_log_probs(self.reference, samples, self.plan.ref_batching, self.actor.forward, self.actor.parallel, "ref_log_prob")
-            self.reference_offload.leave()
+    def frozen_models_score(self, samples: list[Sample], timer: StepTimer) -> None:
+        """The reference's log-probs of the samples (for a KL), and the teacher's token values (distillation)."""
+        if self.reference is not None:
+            with timer("ref"), adapters_disabled(self.reference):
+                self.reference_offload.params_back()
+                compute_log_probs(self.reference, samples, self.plan.ref_batching, self.actor.forward, self.actor.parallel, "ref_log_prob")
+                self.reference_offload.leave()
+        if self.teacher is not None:
+            with timer("teacher"):
+                self.teacher.score(samples, self.actor.forward, self.actor.parallel)
 
     def old_log_probs(self, samples: list[Sample], generations: list[Generation], timer: StepTimer) -> tuple[dict[str, float], list[Generation]]:
         """The old policy's log-probs on the samples: the engine's (bypass), or a pass of their own, with the
