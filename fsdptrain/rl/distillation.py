@@ -15,6 +15,7 @@ entropy and KL terms.
 The teacher and its scoring of the samples are rl/teacher.py's.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,7 +80,7 @@ def add(sums: dict[str, float], key: str, values: torch.Tensor, mask: torch.Tens
 
 
 def distillation_loss(settings: DistillationSettings, tokens: core_algos.PolicyTokens, student_topk: torch.Tensor | None,
-                      targets: dict[str, torch.Tensor], per_token, sums: dict[str, float]) -> torch.Tensor:
+                      targets: dict[str, torch.Tensor], per_token: Callable[[torch.Tensor], torch.Tensor], sums: dict[str, float]) -> torch.Tensor:
     """This micro-batch's distillation loss, aggregated by `per_token` (the actor's aggregation over the mini-batch),
     before its weight: the token losses themselves, or as advantages of the clipped policy loss (use_policy_gradient),
     times rollout correction's IS weights where the samples carry them, as verl's."""
