@@ -273,10 +273,6 @@ class ActorRolloutRefConfig:
     ref: RefConfig
 
 
-DISTILLATION_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # one-sample estimators of the KL to the teacher
-DISTILLATION_LOSS_MODES = ("forward_kl_topk", *DISTILLATION_ESTIMATORS)
-
-
 @dataclass
 class DistillationLossConfig:
     loss_mode: str
@@ -318,7 +314,6 @@ def validate_distillation(distillation: DistillationConfig) -> None:
     teacher, teacher_key = distillation.teacher_models.teacher_model, "distillation.teacher_models.teacher_model"
     if not teacher.model_path:
         raise ConfigError(f"distillation.enabled=true needs {teacher_key}.model_path: the teacher's local Hugging Face model folder")
-    one_of(f"{key}.loss_mode", loss.loss_mode, DISTILLATION_LOSS_MODES)
     one_of(f"{key}.policy_loss_mode", loss.policy_loss_mode, ("vanilla",))
     if loss.loss_mode == "forward_kl_topk" and (loss.topk is None or loss.topk < 1):
         raise ConfigError(f"{key}.loss_mode=forward_kl_topk needs {key}.topk >= 1, got {loss.topk}")

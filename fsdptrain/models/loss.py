@@ -261,7 +261,7 @@ def token_log_probs(
 
     assert not (with_entropy and with_sum_pi_squared), "one statistic a pass"
     statistic = "entropy" if with_entropy else "sum_pi_squared" if with_sum_pi_squared else None
-    targets = labels[rows] if other_tokens is None else torch.cat([labels[rows, None], other_tokens.flatten(0, -2)[rows]], dim=1)
+    targets = labels[rows, None] if other_tokens is None else torch.cat([labels[rows, None], other_tokens.flatten(0, -2)[rows]], dim=1)
     if chunk_tokens and supports_chunking(model):
         def head(hidden: torch.Tensor, weight: torch.Tensor):
             return chunked_token_log_probs(hidden[hidden_rows], weight, targets, temperature, chunk_tokens, statistic)
@@ -269,11 +269,11 @@ def token_log_probs(
     else:
         logits = full_logits(model, inputs, router).flatten(0, 1)[hidden_rows].float() / temperature
         log_softmax = logits.log_softmax(dim=1)
-        log_probs = log_softmax.gather(1, targets if targets.dim() == 2 else targets[:, None]).reshape(targets.shape)
+        log_probs = log_softmax.gather(1, targets)
         values = distribution_statistic(log_softmax, statistic) if statistic else None
         if statistic == "sum_pi_squared":
             values = values.detach()
-    return scatter(log_probs), scatter(values)
+    return scatter(log_probs if other_tokens is not None else log_probs[:, 0]), scatter(values)
 
 
 @torch.no_grad()

@@ -254,6 +254,9 @@ def check_names(config: GRPOConfig, derived: Derived) -> list:
         checks.append(lambda: AGENT_LOOPS.check(f"{ROLLOUT}.agent.default_agent_loop", rollout.agent.default_agent_loop))
     if algorithm.use_kl_in_reward:
         checks.append(lambda: KL_ESTIMATORS.check("algorithm.kl_penalty", algorithm.kl_penalty.rstrip("+")))
+    if config.distillation.enabled:  # the top-k forward KL, or a one-sample estimator of the KL to the teacher
+        checks.append(lambda: one_of("distillation.distillation_loss.loss_mode", config.distillation.distillation_loss.loss_mode,
+                                     ("forward_kl_topk", *KL_ESTIMATORS)))
     if algorithm.filter_groups.enable:
         checks.append(lambda: one_of("algorithm.filter_groups.metric", algorithm.filter_groups.metric, tuple(FILTER_KEYS)))
     for i, source in enumerate(config.reward.sources):
@@ -663,8 +666,7 @@ def plan_grpo(config: GRPOConfig, world: World, pad_id: int) -> GRPOPlan:
     rules = tuple(RejectionRule(*rule) for rule in rejection_options(correction.rollout_rs, correction.rollout_rs_threshold))
     # bypass: verl applies the weights' normalization and the rejection in each micro-batch's loss, against the
     # current policy; otherwise once, against the old policy's pass (the Correction below)
-    policy = PolicyLossSettings(actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
-                                actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio, actor.clip_ratio_c,
+    policy = PolicyLossSettings(*clip_range(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high), actor.clip_ratio_c,
                                 actor.tau_pos, actor.tau_neg, policy_loss.clip_cov_ratio, policy_loss.clip_cov_lb, policy_loss.clip_cov_ub,
                                 policy_loss.kl_cov_ratio, policy_loss.ppo_kl_coef, policy_loss.dro_beta, policy_loss.policy_drift_coef,
                                 correction.loss_type, correction.rollout_is, is_upper, is_lower,
@@ -781,12 +783,16 @@ def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:
                    optimizer_offload=False)
 
 
+def clip_range(ratio: float, low: float | None, high: float | None) -> tuple[float, float]:
+    """A clipped loss's (low, high) clip ratios: each clip_ratio where not given, as verl's."""
+    return (ratio if low is None else low, ratio if high is None else high)
+
+
 def distillation_settings(distillation: DistillationConfig) -> DistillationSettings | None:
     if not distillation.enabled:
         return None
     loss = distillation.distillation_loss
-    policy = PolicyLossSettings(loss.clip_ratio_low if loss.clip_ratio_low is not None else loss.clip_ratio,
-                                loss.clip_ratio_high if loss.clip_ratio_high is not None else loss.clip_ratio)  # clip_ratio_c: verl's 3
+    policy = PolicyLossSettings(*clip_range(loss.clip_ratio, loss.clip_ratio_low, loss.clip_ratio_high))  # clip_ratio_c: verl's 3
     return DistillationSettings(loss.loss_mode, loss.topk or 0, loss.use_task_rewards, loss.distillation_loss_coef, loss.loss_max_clamp,
                                 loss.log_prob_min_clamp, loss.use_policy_gradient, policy)
 
