@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedTokenizerBase
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -100,6 +100,43 @@ def tiny_model(arch: str, vocab_size: int, seed: int, **overrides) -> torch.nn.M
     config.update(overrides)
     model_type = config.pop("model_type", arch)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
+
+
+# Vision-language models: the tiny decoder above with a 2-block vision tower over 4-pixel patches, its rotary sections
+# (time, height, width) summing to half the 16-wide heads; the tokens their chat templates write images with.
+QWEN_IMAGE_TOKENS = {"vision_start_token_id": "<|vision_start|>", "image_token_id": "<|image_pad|>", "vision_end_token_id": "<|vision_end|>",
+                     "video_token_id": "<|video_pad|>"}
+GLM_IMAGE_TOKENS = {"image_start_token_id": "<|begin_of_image|>", "image_token_id": "<|image|>", "image_end_token_id": "<|end_of_image|>",
+                    "video_start_token_id": "<|begin_of_video|>", "video_token_id": "<|video|>", "video_end_token_id": "<|end_of_video|>"}
+VISION_LANGUAGE = {
+    "qwen2_5_vl": (QWEN_IMAGE_TOKENS, dict(window_size=16, fullatt_block_indexes=[1]), dict(mrope_section=[2, 3, 3])),
+    "qwen3_vl": (QWEN_IMAGE_TOKENS, dict(deepstack_visual_indexes=[0], num_position_embeddings=64),
+                 dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
+    "glm4v": (GLM_IMAGE_TOKENS, dict(image_size=32), dict(mrope_section=[1, 1, 2], partial_rotary_factor=0.5)),
+}
+
+
+def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: int, out: str) -> None:
+    """A random vision-language model of `arch` (a key of VISION_LANGUAGE) in folder `out`, with `tokenizer` (given
+    its image tokens) and a PIL image processor of the tower's patch size."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_tokens, vision, rope = VISION_LANGUAGE[arch]
+    tokenizer.add_tokens(list(image_tokens.values()), special_tokens=True)
+    torch.manual_seed(seed)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **rope},
+                tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                  out_hidden_size=64, **vision)
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in image_tokens.items()}
+    config = AutoConfig.for_model(arch, text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    processor_class = Glm4vImageProcessorPil if arch.startswith("glm") else Qwen2VLImageProcessorPil
+    processor = processor_class(patch_size=4, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32})
+    processor.save_pretrained(out)
 
 
 def main() -> None:

@@ -143,12 +143,13 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer):
 
 def test_rows_with_images_videos_or_audio_are_refused_whatever_the_keys(tmp_path, tokenizer):
     """A vision-language dataset (verl's `images` column) trains no text model silently: the file and the first
-    row that carries media are named, for SFT and RL data alike; an all-empty media column is text data."""
+    row that carries media are named, for SFT and RL data alike; an all-empty media column is text data. (A
+    vision-language model reads its images: tests/test_vision_language.py.)"""
     from fsdptrain.rl.data import load_prompts
 
     image = [{"bytes": b"\x89PNG", "path": None}]
     sft = write(tmp_path / "vl.parquet", messages=[GOOD, GOOD], images=[[], image])
-    with pytest.raises(DataError, match=r"vl\.parquet row 1: column 'images' holds media; vision-language and audio data are not supported"):
+    with pytest.raises(DataError, match=r"vl\.parquet row 1: column 'images' holds media that this run does not read: images train with a vision-language model"):
         load_sft_samples([sft], tokenizer, data_config())
     assert len(load_sft_samples([write(tmp_path / "text.parquet", messages=[GOOD], images=[[]])], tokenizer, data_config())) == 1
     rl = write(tmp_path / "rl_vl.parquet", prompt=[GOOD[:1]], data_source=["x"], ground_truth=["1"], videos=[["clip.mp4"]])
@@ -156,14 +157,19 @@ def test_rows_with_images_videos_or_audio_are_refused_whatever_the_keys(tmp_path
         load_prompts([rl], tokenizer)
 
 
-def test_a_vision_language_model_is_refused_by_its_config(tmp_path):
-    """A model folder whose config has a vision tower (Qwen2-VL's) is refused naming the key and the modality."""
-    from transformers import Qwen2VLConfig
+def test_a_multimodal_model_not_built_here_is_refused_by_its_config(tmp_path):
+    """A model folder whose config has a vision tower of a type not supported (Idefics3's) is refused naming the key
+    and the modality; a supported one (Qwen2-VL) with Ulysses, naming the key to change."""
+    from transformers import Idefics3Config, Qwen2VLConfig
 
     from fsdptrain.config.shared import ModelConfig
     from fsdptrain.errors import ConfigError
     from fsdptrain.models.loading import load_model_config
 
-    Qwen2VLConfig().save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"model\.path=.* is a multimodal model \(qwen2_vl: vision_config\); vision-language and audio models"):
-        load_model_config(str(tmp_path), "model.path", ModelConfig(False, False, "auto"), sp_size=1)
+    Idefics3Config().save_pretrained(tmp_path / "idefics3")
+    with pytest.raises(ConfigError, match=r"model\.path=.* is a multimodal model \(idefics3: vision_config\) that fsdptrain does not train"):
+        load_model_config(str(tmp_path / "idefics3"), "model.path", ModelConfig(False, False, "auto"), sp_size=1)
+    Qwen2VLConfig().save_pretrained(tmp_path / "qwen2_vl")
+    assert load_model_config(str(tmp_path / "qwen2_vl"), "model.path", ModelConfig(False, False, "auto"), sp_size=1).model_type == "qwen2_vl"
+    with pytest.raises(ConfigError, match=r"Ulysses sequence parallelism with its images is not built; set ulysses_sequence_parallel_size=1"):
+        load_model_config(str(tmp_path / "qwen2_vl"), "model.path", ModelConfig(False, False, "auto"), sp_size=2)

@@ -19,6 +19,7 @@ from fsdptrain.checkpoint.manager import read_meta
 from fsdptrain.config.shared import LoRASettings
 from fsdptrain.dtypes import DTYPES
 from fsdptrain.models.lora import add_adapters, merged_weights
+from fsdptrain.models.vision import model_class
 
 
 def export(step_dir: str, out: str, dtype: str, base: str | None = None) -> None:
@@ -29,12 +30,12 @@ def export(step_dir: str, out: str, dtype: str, base: str | None = None) -> None
     config = AutoConfig.from_pretrained(source)
     lora = meta.get("lora")
     if lora is None:
-        model = AutoModelForCausalLM.from_config(config).to(DTYPES[dtype])
+        model = model_class(config, AutoModelForCausalLM).from_config(config).to(DTYPES[dtype])
     else:
         base = base or lora["base_model"]
         if not os.path.isfile(os.path.join(base, "config.json")):
             raise SystemExit(f"{step_dir} holds LoRA adapters; their pretrained folder {base!r} is gone: name it with --base")
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = model_class(config, AutoModelForCausalLM).from_pretrained(base, dtype=torch.float32)
         add_adapters(model, LoRASettings("--base", lora["rank"], lora["alpha"], lora["target_modules"], lora["exclude_modules"], 0.0), seed=0)
     saved_keys = dcp.FileSystemReader(os.path.join(step_dir, "model")).read_metadata().state_dict_metadata
     state = {k: v for k, v in model.state_dict().items() if k in saved_keys}
@@ -42,7 +43,7 @@ def export(step_dir: str, out: str, dtype: str, base: str | None = None) -> None
     if lora is not None:
         state = dict(merged_weights(model, DTYPES[dtype]))
     save_hf_folder(
-        out, config, GenerationConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source), state, dtype
+        out, config, GenerationConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source), state, dtype, source
     )
 
 

@@ -1,12 +1,14 @@
-"""The `huggingface/` folder of a checkpoint: config, tokenizer and safetensors weights that transformers and
-vLLM load as they load any Hugging Face model."""
+"""The `huggingface/` folder of a checkpoint: config, tokenizer (a vision-language model's image processor too) and
+safetensors weights that transformers and vLLM load as they load any Hugging Face model."""
 
 import os
+import shutil
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdptrain.dtypes import DTYPES
+from fsdptrain.models.vision import model_class
 
 # Config fields that must agree for a checkpoint's weights to fit a model.
 ARCHITECTURE_KEYS = (
@@ -18,6 +20,9 @@ ARCHITECTURE_KEYS = (
     "intermediate_size",
     "vocab_size",
 )
+# a vision-language model's processor settings, copied from the pretrained folder as they are
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json", "chat_template.json",
+                   "chat_template.jinja")
 
 
 def save_hf_folder(
@@ -27,8 +32,10 @@ def save_hf_folder(
     tokenizer: PreTrainedTokenizerBase,
     state: dict[str, torch.Tensor] | None,
     dtype: str,
+    pretrained: str | None = None,
 ) -> None:
-    """Write config and tokenizer, plus the weights in `dtype` when a full `state` is given.
+    """Write config and tokenizer (with the `pretrained` folder's processor files), plus the weights in `dtype` when
+    a full `state` is given.
 
     The weights go through transformers' own `save_pretrained`, which writes the standard safetensors layout,
     drops tied duplicates and shards large models with an index.
@@ -36,11 +43,14 @@ def save_hf_folder(
     os.makedirs(out, exist_ok=True)
     tokenizer.save_pretrained(out)
     generation_config.save_pretrained(out)
+    for name in PROCESSOR_FILES:
+        if pretrained is not None and os.path.isfile(os.path.join(pretrained, name)) and not os.path.isfile(os.path.join(out, name)):
+            shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
     if state is None:
         config.save_pretrained(out)
         return
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config, AutoModelForCausalLM).from_config(config)
     loaded = model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()  # a tied output layer may be absent from `state`: it is the input embedding
     unfilled = [name for name, t in model.state_dict().items() if t.is_meta]  # parameters and persistent buffers

@@ -263,7 +263,8 @@ class CheckpointManager:
             full_state.update((name, buffer.cpu()) for name, buffer in persistent_buffers(self.model) if self.parallel.is_main)
         self._run_on_main(
             lambda: save_hf_folder(
-                os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype
+                os.path.join(tmp, "huggingface"), self.model.config, self.model.generation_config, self.tokenizer, full_state, hf_dtype,
+                self.base_model,
             )
         )
         if "lora_adapter" in self.save_contents:

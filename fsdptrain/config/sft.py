@@ -50,6 +50,7 @@ class DataConfig:
     shuffle: bool
     apply_chat_template_kwargs: dict[str, Any]
     skip_bad_rows: bool
+    image_key: str
 
 
 def validate_data(data: DataConfig) -> None:

@@ -72,6 +72,7 @@ class LanguageModelConfig(ModelConfig):
     added_tokens_file: str | None  # tokens the tokenizer and the token matrices gain (models/added_tokens.py)
     added_tokens_init: str  # their new rows: mean (transformers' mean_resizing) | pieces (the mean of their text's old tokens)
     freeze_llm: bool  # MiniOneRec's freeze_LLM: only the added tokens' rows train
+    freeze_vision_tower: bool  # a vision-language model's vision encoder stays as loaded
     lora_rank: int
     lora_alpha: float
     target_modules: Any

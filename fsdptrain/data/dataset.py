@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fsdptrain.config.sft import DataConfig
 from fsdptrain.data.chat import RowError, normalize_messages, tokenize_conversation, tokenize_prompt_response
+from fsdptrain.data.images import ImageReader
 from fsdptrain.errors import UserError
 
 log = logging.getLogger("fsdptrain")
@@ -30,6 +31,10 @@ class Sample:
     # Leading tokens (an RL prompt) that a packed row may hold once for the samples next to it that begin with
     # the same ones; 0: none.
     shared_prefix: int = 0
+    # A vision-language model's inputs of the sample's images (data/images.py), and its (3, length) rotary positions
+    # (models/vision.py); None for a text sample.
+    images: dict[str, torch.Tensor] | None = None
+    positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.numel()
@@ -57,25 +62,26 @@ def check_files_exist(files: dict[str, Sequence[str]]) -> None:
 MEDIA_COLUMNS = ("images", "image", "videos", "video", "audios", "audio")  # verl's image_key/video_key defaults, and the singulars
 
 
-def refuse_media(table, path: str) -> None:
-    """A data file whose rows carry images, videos or audio is refused, whatever the keys: training on its text
-    alone would be a silently different run."""
+def refuse_media(table, path: str, image_key: str | None = None) -> None:
+    """A data file whose rows carry images, videos or audio is refused, whatever the keys, but for the images of
+    `image_key` where the model reads them: training on the text alone would be a silently different run."""
     for name in MEDIA_COLUMNS:
-        if name in table.column_names:
+        if name in table.column_names and name != image_key:
             row = next((i for i, value in enumerate(table.column(name).to_pylist()) if value not in (None, [], "", {})), None)
             if row is not None:
-                raise DataError(f"{path} row {row}: column {name!r} holds media; vision-language and audio data are not supported "
-                                "(fsdptrain trains text models on text columns): drop the column or train elsewhere")
+                raise DataError(f"{path} row {row}: column {name!r} holds media that this run does not read: images train with a "
+                                "vision-language model (data.image_key names their column); videos and audio are not supported")
 
 
-def _read_columns(path: str, columns: Sequence[str], optional: Sequence[str] = ()) -> dict:
+def _read_columns(path: str, columns: Sequence[str], optional: Sequence[str] = (), image_key: str | None = None) -> dict:
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such data file")
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a file that is not parquet
         raise DataError(f"{path}: cannot be read as parquet: {e}") from None
-    refuse_media(table, path)
+    refuse_media(table, path, image_key)
+    optional = [*optional, *([image_key] if image_key else [])]
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; the file has {table.column_names}")
@@ -83,11 +89,12 @@ def _read_columns(path: str, columns: Sequence[str], optional: Sequence[str] = (
     return {c: table.column(c).to_pylist() for c in present}
 
 
-def read_data_columns(path: str, config: DataConfig) -> dict[str, list]:
-    """The columns of a parquet file that `config` reads (messages and tools, or prompt and response)."""
+def read_data_columns(path: str, config: DataConfig, image_key: str | None = None) -> dict[str, list]:
+    """The columns of a parquet file that `config` reads (messages and tools, or prompt and response; the images
+    of `image_key` where the model reads them)."""
     if config.multiturn.enable:
-        return _read_columns(path, [config.multiturn.messages_key], optional=[config.multiturn.tools_key])
-    return _read_columns(path, [config.prompt_key, config.response_key])
+        return _read_columns(path, [config.multiturn.messages_key], optional=[config.multiturn.tools_key], image_key=image_key)
+    return _read_columns(path, [config.prompt_key, config.response_key], image_key=image_key)
 
 
 def nested(value, keys: Sequence[str], column: str):
@@ -115,26 +122,71 @@ def tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns
     return [tokenize_conversation(tokenizer, messages[:end], tools, kwargs, only_last_turn=True) for end in ends]
 
 
-def load_sft_samples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase, config: DataConfig) -> list[Sample]:
-    """Read, check and tokenize every row of `files` in order. A bad row raises naming file, row and problem, or
-    with data.skip_bad_rows is skipped and counted; samples that truncation leaves without a trained token are
-    dropped and counted."""
+def row_texts(config: DataConfig, columns: dict, row: int) -> list[str]:
+    """The texts of a row that may mark its images: the prompt and response, or each message's content."""
+    if not config.multiturn.enable:
+        return [nested(columns[key][row], keys, f"data.{name}={key}") for name, key, keys in
+                (("prompt_key", config.prompt_key, config.prompt_dict_keys), ("response_key", config.response_key, config.response_dict_keys))]
+    messages = columns[config.multiturn.messages_key][row]
+    return [m["content"] for m in messages or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]
+
+
+def with_images_marked(config: DataConfig, columns: dict, row: int, reader: ImageReader) -> dict:
+    """The row's text columns with each `<image>` written as the model's chat template writes an image."""
+    if not config.multiturn.enable:
+        if config.prompt_dict_keys or config.response_dict_keys:
+            raise RowError("images with data.prompt_dict_keys / response_dict_keys are not read: put the text in the columns themselves")
+        return {**columns, config.prompt_key: {row: reader.mark(columns[config.prompt_key][row])},
+                config.response_key: {row: reader.mark(columns[config.response_key][row])}}
+    messages = [{**m, "content": reader.mark(m["content"])} if isinstance(m, dict) and isinstance(m.get("content"), str) else m
+                for m in columns[config.multiturn.messages_key][row]]
+    return {**columns, config.multiturn.messages_key: {row: messages}}
+
+
+def make_samples(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns: dict, row: int, reader: ImageReader | None) -> list[Sample]:
+    """The samples of one row, truncated; with a vision-language model's `reader`, with the row's images."""
+    images = None
+    if reader is not None:
+        images = reader.read(columns[reader.key][row] if reader.key in columns else None, row_texts(config, columns, row))
+    if images is None:
+        made = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, columns, row)]
+        return [sample_of(ids, mask, None, reader) for ids, mask in made]
+    if config.multiturn.enable and config.multiturn.split_turns:
+        raise RowError("data.multiturn.split_turns does not take a row with images: each turn's sample would need the images before it")
+    (ids, mask), = tokenize_row(tokenizer, config, with_images_marked(config, columns, row, reader), row)
+    ids, mask = reader.expand(ids, mask, images)
+    if len(ids) > config.max_length:
+        raise RowError(f"{len(ids)} tokens with its images exceed data.max_length={config.max_length} (a sample with images is never "
+                       "truncated: a cut image would not match its patches)")
+    return [sample_of(ids, mask, images, reader)]
+
+
+def sample_of(ids: list[int], mask: list[int], images: dict[str, torch.Tensor] | None, reader: ImageReader | None) -> Sample:
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    positions = None if reader is None else reader.tokens.positions(input_ids, None if images is None else images["image_grid_thw"])
+    return Sample(input_ids, torch.tensor(mask, dtype=torch.long), images=images, positions=positions)
+
+
+def load_sft_samples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase, config: DataConfig, images: ImageReader | None = None) -> list[Sample]:
+    """Read, check and tokenize every row of `files` in order (with a vision-language model's `images` reader, the
+    rows' images too). A bad row raises naming file, row and problem, or with data.skip_bad_rows is skipped and
+    counted; samples that truncation leaves without a trained token are dropped and counted."""
     samples, bad, untrained = [], [], 0
     for path in files:
-        columns = read_data_columns(path, config)
+        columns = read_data_columns(path, config, images.key if images is not None else None)
         for row in range(len(next(iter(columns.values())))):
             try:
-                made = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, columns, row)]
+                made = make_samples(tokenizer, config, columns, row, images)
             except RowError as e:
                 if not config.skip_bad_rows:
                     raise DataError(f"{path} row {row}: {e}") from None
                 bad.append(f"{path} row {row}: {e}")
                 continue
-            for ids, mask in made:
-                if sum(mask[1:]) == 0:  # the first token is never a target: nothing predicts it
+            for sample in made:
+                if sample.loss_mask[1:].sum() == 0:  # the first token is never a target: nothing predicts it
                     untrained += 1
                     continue
-                samples.append(Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+                samples.append(sample)
     if bad:
         log.warning("skipped %d bad row(s) (data.skip_bad_rows=true); the first: %s", len(bad), "; ".join(bad[:3]))
     if untrained:

@@ -26,6 +26,7 @@ from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.ulysses import shard_sequence
 from fsdptrain.errors import ConfigError
 from fsdptrain.models.loss import IGNORE_INDEX
+from fsdptrain.models.vision import IMAGE_INPUTS
 
 
 @dataclass(frozen=True)
@@ -155,11 +156,43 @@ def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1, share_pr
         targets[name] = torch.cat([t[name] for t in shifted] + [padding])[None]
     inputs = {"input_ids": torch.cat(pieces)[None], "position_ids": torch.cat(positions)[None],
               "cu_seq_lens_q": _cumulative(query_lengths), "max_length_q": max(query_lengths)}
+    if any(s.positions is not None for s in samples):
+        inputs.update(packed_image_inputs(samples, share_prefixes, pad))
     if query_lengths == key_lengths:
         return MicroBatch(inputs, targets)
     rows = torch.cat(token_rows)
     inputs.update(cu_seq_lens_k=_cumulative(key_lengths), max_length_k=max(key_lengths), key_rows=rows)
     return MicroBatch(inputs, targets, token_rows=rows)
+
+
+def packed_image_inputs(samples: Sequence[Sample], share_prefixes: bool, pad: int) -> dict[str, torch.Tensor]:
+    """A vision-language model's packed row: (3, 1, T) rotary positions, each sample's own (its part in the row), and
+    its images' patches in row order. A sample that shares the prompt before it holds its images there (an RL
+    group's images are its prompt's): they are in the row once."""
+    positions, images, prompt = [], [], None
+    for sample in samples:
+        own = sample.positions if sample.positions is not None else torch.arange(len(sample)).expand(3, -1)
+        if share_prefixes and shares_prompt(sample, prompt):
+            positions.append(own[:, sample.shared_prefix :])
+            continue
+        positions.append(own)
+        prompt = shareable_prefix(sample)
+        if sample.images is not None:
+            images.append(sample.images)
+    positions.append(torch.arange(pad).expand(3, -1))
+    inputs = {"position_ids": torch.cat(positions, dim=1)[:, None]}
+    if images:
+        inputs.update({name: torch.cat([image[name] for image in images]) for name in IMAGE_INPUTS})
+    return inputs
+
+
+def padded_image_inputs(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
+    """A vision-language model's padded batch: (3, batch, width) rotary positions and the images in row order."""
+    positions = torch.zeros(3, len(samples), width, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        positions[:, row, : len(sample)] = sample.positions if sample.positions is not None else torch.arange(len(sample))
+    images = [s.images for s in samples if s.images is not None]
+    return {"position_ids": positions, **({name: torch.cat([image[name] for image in images]) for name in IMAGE_INPUTS} if images else {})}
 
 
 def _cumulative(lengths: list[int]) -> torch.Tensor:
@@ -187,6 +220,8 @@ def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
         inputs["position_ids"][row, :n] = torch.arange(n)
         for name, values in sample_targets.items():
             targets[name][row, :n] = values
+    if any(s.positions is not None for s in samples):
+        inputs.update(padded_image_inputs(samples, width))
     return MicroBatch(inputs, targets)
 
 

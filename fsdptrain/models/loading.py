@@ -36,6 +36,7 @@ from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matr
 from fsdptrain.models.architecture import Architecture, keep_sequences_apart, padded_attention, read_architecture
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.lora import add_adapters
+from fsdptrain.models.vision import attention_setting, check_supported, is_vision_language, model_class, run_tower_on_every_forward, vision_tower
 
 log = logging.getLogger("fsdptrain")
 
@@ -45,14 +46,16 @@ def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: in
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{path_key}={path!r} is not a Hugging Face model folder (no config.json)")
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
-    media = [name for name in ("vision_config", "audio_config", "visual", "vision_tower") if getattr(hf_config, name, None) is not None]
-    if media:
-        raise ConfigError(f"{path_key}={path!r} is a multimodal model ({hf_config.model_type}: {', '.join(media)}); vision-language and "
-                          "audio models are not supported: train a text model")
-    if hf_config.num_attention_heads % sp_size:
+    check_supported(hf_config, path_key, path)
+    if getattr(config, "freeze_vision_tower", False) and not is_vision_language(hf_config):
+        raise ConfigError(f"freeze_vision_tower=true, but {path_key}={path!r} ({hf_config.model_type}) has no vision tower")
+    if is_vision_language(hf_config) and sp_size > 1:
+        raise ConfigError(f"{path_key}={path!r} is a vision-language model ({hf_config.model_type}): Ulysses sequence parallelism with its "
+                          "images is not built; set ulysses_sequence_parallel_size=1")
+    if hf_config.get_text_config().num_attention_heads % sp_size:
         raise ConfigError(
             f"ulysses_sequence_parallel_size ({sp_size}) must divide the model's num_attention_heads "
-            f"({hf_config.num_attention_heads})"
+            f"({hf_config.get_text_config().num_attention_heads})"
         )
     return hf_config
 
@@ -126,7 +129,7 @@ def load_pretrained(path: str, config: ModelConfig, hf_config: PretrainedConfig,
     load_report = _DropLoadReport()
     report.addFilter(load_report)
     try:
-        pretrained, info = auto_class.from_pretrained(path, config=pretrained_config, dtype=dtype, trust_remote_code=config.trust_remote_code,
+        pretrained, info = model_class(hf_config, auto_class).from_pretrained(path, config=pretrained_config, dtype=dtype, trust_remote_code=config.trust_remote_code,
                                                       output_loading_info=True)
     finally:
         report.removeFilter(load_report)
@@ -159,8 +162,9 @@ def build_on_meta(hf_config: PretrainedConfig, config: ModelConfig, packed: bool
     the trainer shards, and what fsdptrain.check builds to find what cannot run."""
     architecture = read_architecture(hf_config)
     with torch.device("meta"):
-        model = auto_class.from_config(hf_config, attn_implementation=attention_implementation(config, packed, architecture),
-                                       trust_remote_code=config.trust_remote_code)
+        model = model_class(hf_config, auto_class).from_config(
+            hf_config, attn_implementation=attention_setting(hf_config, attention_implementation(config, packed, architecture)),
+            trust_remote_code=config.trust_remote_code)
     if packed and architecture.recurrent_layers:
         keep_sequences_apart(model)
     return model
@@ -191,6 +195,8 @@ def build_model(
         model.eval()
     elif isinstance(config, LanguageModelConfig) and config.freeze_llm:
         freeze_all_but_token_matrices(model)
+    if trainable and isinstance(config, LanguageModelConfig) and config.freeze_vision_tower:
+        vision_tower(model).requires_grad_(False)
     if trainable and config.enable_gradient_checkpointing:  # transformers 5 renamed the method; 4.x has only the old name
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -199,6 +205,8 @@ def build_model(
     if trainable and config.enable_activation_offload:
         offload_activations(model, parallel.device)
     apply_fsdp(model, parallel.sharding_mesh(fsdp.fsdp_size), fsdp, parallel.device)
+    if is_vision_language(hf_config):
+        run_tower_on_every_forward(model)
     model.to_empty(device="cpu" if fsdp.cpu_offload else parallel.device)
 
     pretrained = load_pretrained(path, config, hf_config, dtype, auto_class, lora, seed, added) if parallel.is_main else None

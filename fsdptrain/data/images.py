@@ -1,0 +1,110 @@
+"""A row's images, as verl's datasets read them: the `data.image_key` column holds a list of images per row (each as
+{"bytes": ...}, {"path": ...}, raw bytes or a file path), and each `<image>` in the row's text stands for the next.
+
+The model's image processor turns each image into patches (`pixel_values`) and its patch grid (`image_grid_thw`);
+the `<image>` becomes the placeholder the model's chat template renders for an image, and its image token is then
+repeated once per merged patch, as the model's processor expands it. The image tokens are never training targets.
+"""
+
+import io
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, PretrainedConfig, PreTrainedTokenizerBase
+
+from fsdptrain.data.chat import RowError
+from fsdptrain.errors import ConfigError
+from fsdptrain.models.vision import ImageTokens, image_tokens
+
+IMAGE_MARK = "<image>"
+
+
+@dataclass(frozen=True)
+class ImageReader:
+    """Reads the images of rows for one model: its image processor and its image tokens."""
+
+    key: str  # data.image_key
+    processor: object  # the model folder's image processor (transformers' AutoImageProcessor)
+    tokens: ImageTokens
+
+    def read(self, values: Sequence | None, texts: Sequence[str]) -> dict[str, torch.Tensor] | None:
+        """The model's inputs of a row's images (None for a row without), checked against the `<image>` marks of
+        its `texts`."""
+        values = list(values or [])
+        marks = sum(text.count(IMAGE_MARK) for text in texts)
+        if marks != len(values):
+            raise RowError(f"{marks} {IMAGE_MARK} mark(s) in the text but {len(values)} image(s) in column {self.key!r}")
+        if not values:
+            return None
+        images = [open_image(value, i) for i, value in enumerate(values)]
+        try:
+            inputs = self.processor(images=images, return_tensors="pt")
+        except Exception as e:  # the processors raise several types for an image they cannot use
+            raise RowError(f"column {self.key!r}: the image processor cannot use the images: {e}") from None
+        return {name: inputs[name] for name in ("pixel_values", "image_grid_thw")}
+
+    def expand(self, ids: list[int], mask: list[int], images: dict[str, torch.Tensor] | None) -> tuple[list[int], list[int]]:
+        """Each image token of a tokenized sample repeated to its image's token count (never a target)."""
+        image_id = self.tokens.image_token_id
+        at = [i for i, token in enumerate(ids) if token == image_id]
+        grids = images["image_grid_thw"] if images is not None else []
+        if len(at) != len(grids):
+            raise RowError(f"the text holds {len(at)} image token(s) (id {image_id}) for {len(grids)} image(s): an image token written "
+                           f"in the text itself, or {IMAGE_MARK} inside a turn the chat template drops")
+        out_ids, out_mask, start = [], [], 0
+        for position, grid in zip(at, grids):
+            out_ids += ids[start:position] + [image_id] * self.tokens.count(grid)
+            out_mask += mask[start:position] + [0] * self.tokens.count(grid)
+            start = position + 1
+        return out_ids + ids[start:], out_mask + mask[start:]
+
+    def mark(self, text: str) -> str:
+        """`text` with each `<image>` as the model's chat template renders an image."""
+        return text.replace(IMAGE_MARK, self.tokens.placeholder)
+
+
+def open_image(value, index: int) -> Image.Image:
+    """One image of a row, as verl's datasets store it, in RGB."""
+    try:
+        if isinstance(value, dict):
+            if value.get("bytes") is not None:
+                image = Image.open(io.BytesIO(value["bytes"]))
+            elif value.get("path") or value.get("image"):
+                image = Image.open(value.get("path") or value.get("image"))
+            else:
+                raise ValueError(f"a dict without bytes or path (keys {sorted(value)})")
+        elif isinstance(value, bytes):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, str):
+            image = Image.open(re.sub(r"^file://", "", value))
+        else:
+            raise ValueError(f"a {type(value).__name__}, not bytes, a path or a dict of them")
+        return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise RowError(f"image {index} cannot be read: {e}") from None
+
+
+def load_image_processor(path: str, trust_remote_code: bool):
+    """The image processor of a model folder (transformers' PIL one where torchvision is missing)."""
+    if not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+        return None
+    return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def image_reader(path: str, path_key: str, key: str, tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig,
+                 trust_remote_code: bool) -> ImageReader:
+    """The reader of a vision-language model's folder, or an error naming what the folder lacks."""
+    processor = load_image_processor(path, trust_remote_code)
+    if processor is None:
+        raise ConfigError(f"{path_key}={path!r} is a vision-language model without its image processor (no preprocessor_config.json)")
+    tokens = image_tokens(hf_config)
+    pieces = re.findall(r"<\|[^|]+\|>", tokens.placeholder)  # the image's start, its token, its end
+    ids = [tokenizer.convert_tokens_to_ids(piece) for piece in pieces]
+    if any(i in (None, tokenizer.unk_token_id) for i in ids) or ids[1] != tokens.image_token_id:
+        raise ConfigError(f"{path_key}={path!r}: the tokenizer does not write images as the model reads them ({' '.join(pieces)} as tokens, "
+                          f"{pieces[1]} the config's image_token_id {tokens.image_token_id}); it gives ids {ids}")
+    return ImageReader(key, processor, tokens)

@@ -1,0 +1,141 @@
+"""Vision-language models: which train here, how they are built, and the 3-D rotary positions of their rows.
+
+A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V and their MoE variants) is built with its vision
+tower by AutoModelForImageTextToText. Its decoder runs the trainer's packed attention; the tower keeps transformers'
+own (its attention is bidirectional within each image, which the packed causal attention is not).
+
+Its rotary positions are 3-D (mrope: time, height, width): an image's tokens take the positions of its patch grid
+and the text after it continues from the largest. Each sample's positions are computed once, when it is made, by
+the model's own `get_rope_index` over that sample alone, so a packed row, a shared prompt or a padded batch carries
+each sample's positions as the model computes them for the sample on its own. A text-only sample's positions are
+the plain ones on all three axes. Other multimodal models (audio, other vision towers) are refused by name.
+"""
+
+import inspect
+from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+
+from fsdptrain.errors import ConfigError
+
+# model type -> the text its chat template renders for one image (each image token is expanded to the image's count)
+IMAGE_PLACEHOLDERS = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
+    "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+    "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
+}
+MEDIA_CONFIGS = ("vision_config", "audio_config", "visual", "vision_tower")
+# what the model's forward reads of a micro-batch's images, beside input_ids
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
+
+
+def media_of(hf_config: PretrainedConfig) -> list[str]:
+    return [name for name in MEDIA_CONFIGS if getattr(hf_config, name, None) is not None]
+
+
+def is_vision_language(hf_config: PretrainedConfig) -> bool:
+    return hf_config.model_type in IMAGE_PLACEHOLDERS
+
+
+def check_supported(hf_config: PretrainedConfig, path_key: str, path: str) -> None:
+    """A multimodal model other than the vision-language types above is refused, naming them."""
+    media = media_of(hf_config)
+    if media and not is_vision_language(hf_config):
+        raise ConfigError(f"{path_key}={path!r} is a multimodal model ({hf_config.model_type}: {', '.join(media)}) that fsdptrain does not "
+                          f"train; vision-language models supported: {', '.join(sorted(IMAGE_PLACEHOLDERS))}")
+
+
+def model_class(hf_config: PretrainedConfig, auto_class: type) -> type:
+    """The class that builds `hf_config`: a causal LM's Auto class builds a vision-language model with its tower."""
+    if auto_class is AutoModelForCausalLM and is_vision_language(hf_config):
+        return AutoModelForImageTextToText
+    return auto_class
+
+
+def attention_setting(hf_config: PretrainedConfig, decoder_attention: str) -> str | dict[str, str]:
+    """transformers' attn_implementation: `decoder_attention` for the text decoder; a vision tower keeps SDPA."""
+    if not is_vision_language(hf_config):
+        return decoder_attention
+    return {"text_config": decoder_attention, "vision_config": "sdpa"}
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The vision encoder and its merger into the decoder's width (transformers names it `visual` in these models)."""
+    return model.get_submodule("model.visual")
+
+
+def run_tower_on_every_forward(model: nn.Module) -> None:
+    """Make a sharded vision-language model run its vision tower in every forward, on a blank image where the
+    micro-batch has none, its output added times 0 to the token embeddings (where real images join them).
+
+    Each FSDP unit of the tower gathers its weights in the forward and reduces its gradients in the backward, and
+    every rank must run those collectives in the same order: a rank whose micro-batch has no image would otherwise
+    skip them while another runs them, and the gathers of different units would pair up across ranks."""
+    tower, seen = vision_tower(model), SimpleNamespace(images=True)
+    vision = model.config.vision_config
+    channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    side = 2 * vision.spatial_merge_size
+    model.get_submodule("model").register_forward_pre_hook(partial(_note_images, seen), with_kwargs=True)
+    model.get_input_embeddings().register_forward_hook(partial(_blank_image, seen, tower, channels, side))
+
+
+def _note_images(seen: SimpleNamespace, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    seen.images = kwargs.get("pixel_values") is not None
+
+
+def _blank_image(seen: SimpleNamespace, tower: nn.Module, channels: int, side: int, module: nn.Module, args: tuple,
+                 embeddings: torch.Tensor) -> torch.Tensor | None:
+    if seen.images:
+        return None
+    blank = embeddings.new_zeros(side * side, channels)
+    output = tower(blank, grid_thw=torch.tensor([[1, side, side]], device=embeddings.device))
+    return embeddings + 0.0 * sum(t.float().sum() for t in _tensors(output)).to(embeddings.dtype)
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The floating tensors of a tower's output (a tensor, a tuple, or a model output with pooled and deepstack
+    features)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() else []
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else []
+    return [t for value in values for t in _tensors(value)]
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """What turns a sample's images into its tokens: the placeholder its chat template renders, the token each image
+    expands, the patches merged into one token, and the model whose `get_rope_index` gives 3-D positions."""
+
+    placeholder: str
+    image_token_id: int
+    merge: int
+    rope_model: nn.Module  # the model on the meta device: get_rope_index reads only its config
+
+    def count(self, grid_thw: torch.Tensor) -> int:
+        """Tokens of an image of patch grid (t, h, w)."""
+        return int(grid_thw.prod()) // self.merge**2
+
+    def positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """(3, length) rotary positions of one sample, as the model computes them for it alone."""
+        if image_grid_thw is None:
+            return torch.arange(len(input_ids)).expand(3, -1).clone()
+        ids = input_ids[None]
+        kwargs = {"image_grid_thw": image_grid_thw}
+        if "mm_token_type_ids" in inspect.signature(self.rope_model.get_rope_index).parameters:  # transformers 5
+            kwargs["mm_token_type_ids"] = (ids == self.image_token_id).int()
+        positions, _ = self.rope_model.get_rope_index(ids, **kwargs)
+        return positions[:, 0]
+
+
+def image_tokens(hf_config: PretrainedConfig) -> ImageTokens:
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(hf_config)
+    return ImageTokens(IMAGE_PLACEHOLDERS[hf_config.model_type], hf_config.image_token_id, hf_config.vision_config.spatial_merge_size,
+                       model.model)

@@ -1,0 +1,222 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL, GLM-4.1V): images read from rows in verl's layout give a plain
+transformers forward's per-token log-probs on every path (a packed row, its second sequence included; a shared
+prompt; padded rows), and SFT trains them on 2 processes.
+
+The reference is written without the trainer's code: the image marks expanded in the text as transformers'
+processors expand them, tokenized, and one forward per sequence with `mm_token_type_ids` (the model then computes
+its own 3-D positions), eager attention, float32."""
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from fsdptrain.config.shared import ModelConfig
+from fsdptrain.data.dataset import DataError, Sample, load_sft_samples
+from fsdptrain.data.images import image_reader
+from fsdptrain.data.micro_batches import collate_packed, collate_padded
+from fsdptrain.models.loading import build_on_meta
+from fsdptrain.models.loss import token_log_probs, token_nll_sum
+from fsdptrain.trainer.sft_plan import plan_sft, read_sft_config
+
+import make_tiny
+from conftest import assert_same_run, hf_weights, read_metrics, run_sft
+
+ARCHITECTURES = sorted(make_tiny.VISION_LANGUAGE)
+LOADING = ModelConfig(trust_remote_code=False, enable_gradient_checkpointing=False, attn_implementation="auto")
+
+
+def picture(seed: int, height: int, width: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def vl_folder(request, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny.tiny_vision_language(request.param, make_tiny.trained_tokenizer(), seed=0, out=str(path))
+    return str(path)
+
+
+def chats() -> list[dict]:
+    """verl's multimodal SFT rows: `<image>` marks in the messages, the images beside them (two sizes, two images
+    in one row, and a text-only row)."""
+    return [
+        {"messages": [{"role": "user", "content": "<image>what is 3 + 4?"}, {"role": "assistant", "content": "3 + 4 = 7"}],
+         "images": [{"bytes": picture(0, 20, 28), "path": None}]},
+        {"messages": [{"role": "user", "content": "compare <image> and <image>"}, {"role": "assistant", "content": "12 and 21"}],
+         "images": [{"bytes": picture(1, 32, 16), "path": None}, {"bytes": picture(2, 16, 16), "path": None}]},
+        {"messages": [{"role": "user", "content": "what is 5 + 6?"}, {"role": "assistant", "content": "5 + 6 = 11"}], "images": []},
+        {"messages": [{"role": "user", "content": "<image>count"}, {"role": "assistant", "content": "2 + 2 = 4, so 4"}],
+         "images": [{"bytes": picture(3, 24, 24), "path": None}]},
+    ]
+
+
+def write_rows(path, rows: list[dict]) -> str:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def sft_data(folder: str, path) -> list[Sample]:
+    config = read_sft_config(plan_args(folder, str(path)))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reader = image_reader(folder, "model.partial_pretrain", "images", tokenizer, AutoConfig.from_pretrained(folder), False)
+    return load_sft_samples([str(path)], tokenizer, plan_sft(config).data, reader)
+
+
+def plan_args(folder: str, data: str):
+    from fsdptrain.check import composed
+
+    return composed("sft_trainer", [f"data.train_files={data}", "data.multiturn.enable=true", f"model.partial_pretrain={folder}",
+                                    "data.max_length=512", "data.train_batch_size=4"])
+
+
+def reference_inputs(folder: str, row: dict) -> dict:
+    """A row's model inputs as transformers' processors make them: each image mark becomes the placeholder with its
+    image token repeated once per merged patch, in the text, before tokenizing."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = AutoImageProcessor.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder)
+    placeholder = make_tiny.VISION_LANGUAGE[config.model_type][0]
+    start, image, end = (placeholder[k] for k in list(placeholder)[:3])
+    images = [Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]]
+    inputs = processor(images=images, return_tensors="pt") if images else {}
+    grids = iter(inputs.get("image_grid_thw", []))
+    messages = [{**m, "content": m["content"]} for m in row["messages"]]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    pieces = text.split("<image>")
+    text = pieces[0] + "".join(start + image * (int(next(grids).prod()) // 4) + end + piece for piece in pieces[1:])
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out = {"input_ids": ids[None], "mm_token_type_ids": (ids == config.image_token_id).int()[None]}
+    if images:
+        out.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    return out
+
+
+def plain(folder: str) -> torch.nn.Module:
+    return AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def as_trained(folder: str, packed: bool, reference: torch.nn.Module) -> torch.nn.Module:
+    model = build_on_meta(AutoConfig.from_pretrained(folder), LOADING, packed)
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    model.tie_weights()
+    buffers = dict(reference.named_buffers())
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
+    return model.eval()
+
+
+def test_rows_become_the_processors_ids_and_every_path_gives_a_plain_forwards_log_probs(vl_folder, tmp_path):
+    rows = chats()
+    samples = sft_data(vl_folder, write_rows(tmp_path / "chat.parquet", rows))
+    reference = plain(vl_folder)
+    expected = []
+    for sample, row in zip(samples, rows):
+        inputs = reference_inputs(vl_folder, row)
+        assert sample.input_ids.tolist() == inputs["input_ids"][0].tolist()
+        assert (sample.images is None) == (not row["images"])
+        with torch.no_grad():
+            logits = reference(**inputs).logits[0]
+        expected.append(logits[:-1].log_softmax(-1).gather(1, sample.input_ids[1:, None]).squeeze(1)[sample.loss_mask[1:].bool()])
+    # a group sharing an image prompt (an RL group's layout): two responses after the first sample's user turn
+    prompt_length = int(samples[0].loss_mask.nonzero()[0])
+    shared = [Sample(torch.cat([samples[0].input_ids[:prompt_length], torch.tensor(response)]),
+                     torch.cat([torch.zeros(prompt_length, dtype=torch.long), torch.ones(len(response), dtype=torch.long)]),
+                     shared_prefix=prompt_length, images=samples[0].images) for response in ([5, 9, 13, 2], [40, 41])]
+    for sample in shared:
+        with torch.no_grad():
+            inputs = {"input_ids": sample.input_ids[None], "mm_token_type_ids": (sample.input_ids == reference.config.image_token_id).int()[None],
+                      **sample.images}
+            logits = reference(**inputs).logits[0]
+        expected.append(logits[:-1].log_softmax(-1).gather(1, sample.input_ids[1:, None]).squeeze(1)[sample.loss_mask[1:].bool()])
+    reader = image_reader(vl_folder, "model", "images", AutoTokenizer.from_pretrained(vl_folder), reference.config, False)
+    for sample in shared:
+        sample.positions = reader.tokens.positions(sample.input_ids, sample.images["image_grid_thw"])
+    everything = samples + shared
+
+    for layout, packed, share in (("packed", True, False), ("shared prompt", True, True), ("padded", False, False)):
+        model = as_trained(vl_folder, packed, reference)
+        batch = collate_packed(everything, share_prefixes=share) if packed else collate_padded(everything, pad_token_id=0)
+        with torch.no_grad():
+            log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16, token_rows=batch.token_rows)
+        width = None if packed else batch.inputs["input_ids"].shape[1]
+        start = 0
+        for index, (sample, want) in enumerate(zip(everything, expected)):
+            begin = index * width if width else start
+            got = log_probs.reshape(-1)[begin : begin + len(sample) - 1][sample.loss_mask[1:].bool()]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"{layout}: sample {index}")
+            start += len(sample)
+        if layout == "packed":
+            with torch.no_grad():
+                nll = token_nll_sum(model, batch.inputs, batch.targets["labels"], chunk_tokens=16)
+            torch.testing.assert_close(nll, -sum(e.sum() for e in expected), atol=1e-3, rtol=1e-5)
+
+
+def test_bad_image_rows_are_refused_naming_the_row(tmp_path):
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    good = chats()[0]
+    cases = {
+        "unreadable": ({**good, "images": [{"bytes": b"not an image", "path": None}]}, "image 0 cannot be read"),
+        "marks": ({**good, "images": good["images"] * 2}, "1 <image> mark(s) in the text but 2 image(s)"),
+        "too long": ({"messages": [{"role": "user", "content": "<image>" * 80}, good["messages"][1]], "images": good["images"] * 80},
+                     "exceed data.max_length=512"),
+        "missing file": ({**good, "images": [{"bytes": None, "path": str(tmp_path / "gone.png")}]}, "image 0 cannot be read"),
+    }
+    for name, (row, message) in cases.items():
+        path = write_rows(tmp_path / f"{name}.parquet", [chats()[2], row])
+        with pytest.raises(DataError, match="row 1: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+            sft_data(str(folder), path)
+
+
+@pytest.mark.slow
+def test_sft_trains_a_vision_language_model_the_same_on_1_and_2_processes_and_resumes_exactly(tmp_path):
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    rows = chats() * 4
+    data = {"train": write_rows(tmp_path / "train.parquet", rows), "val": write_rows(tmp_path / "val.parquet", chats())}
+    common = dict(data__multiturn__enable="true", data__max_length="512", data__train_batch_size="4",
+                  optim__lr="1e-3", model__fsdp_config__model_dtype="fp32", trainer__save_freq="2",
+                  trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
+    one = str(tmp_path / "one")
+    run_sft(1, str(folder), data, one, **common, trainer__total_training_steps="4")
+    two = str(tmp_path / "two")  # one sample a forward: a rank's forward without an image beside another's with one
+    run_sft(2, str(folder), data, two, **common, trainer__total_training_steps="4", data__use_dynamic_bsz="false",
+            data__micro_batch_size_per_gpu="1")
+    assert_same_run(two, one)
+    losses = [m["train/loss"] for m in read_metrics(one) if "train/loss" in m]
+    assert losses[-1] < losses[0]
+    resumed = str(tmp_path / "resumed")  # the 2-process run as if stopped after its step-2 checkpoint
+    shutil.copytree(two, resumed, ignore=shutil.ignore_patterns("global_step_4"))
+    Path(resumed, "latest_checkpointed_iteration.txt").write_text("2")
+    run_sft(2, str(folder), data, resumed, **common, trainer__total_training_steps="4", data__use_dynamic_bsz="false",
+            data__micro_batch_size_per_gpu="1")
+    assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4]
+    assert_same_run(resumed, two)
+    exported = f"{two}/global_step_4/huggingface"
+    assert json.load(open(f"{exported}/preprocessor_config.json"))["patch_size"] == 4
+    pretrained = load_file(str(folder / "model.safetensors"))
+    trained = hf_weights(f"{two}/global_step_4")
+    assert trained.keys() == pretrained.keys()
+    tower = [name for name in pretrained if name.startswith("visual.")]
+    assert tower and all(not torch.equal(trained[name], pretrained[name]) for name in tower if name.endswith("weight"))
+    assert AutoModelForImageTextToText.from_pretrained(exported).config.model_type == "qwen2_5_vl"
+
+    frozen = str(tmp_path / "frozen")
+    run_sft(1, str(folder), data, frozen, **common, trainer__total_training_steps="2", model__freeze_vision_tower="true")
+    trained = hf_weights(f"{frozen}/global_step_2")
+    assert all(torch.equal(trained[name], pretrained[name]) for name in tower)
+    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], pretrained["model.layers.0.mlp.up_proj.weight"])
