@@ -29,7 +29,7 @@ from fsdptrain.models.loss import token_log_probs, token_nll_sum
 from fsdptrain.trainer.sft_plan import plan_sft, read_sft_config
 
 import make_tiny
-from conftest import assert_same_run, hf_weights, read_metrics, run_sft
+from conftest import assert_same_run, assert_same_weights, hf_weights, read_metrics, run_sft, torchrun
 
 ARCHITECTURES = sorted(make_tiny.VISION_LANGUAGE)
 LOADING = ModelConfig(trust_remote_code=False, enable_gradient_checkpointing=False, attn_implementation="auto")
@@ -220,3 +220,132 @@ def test_sft_trains_a_vision_language_model_the_same_on_1_and_2_processes_and_re
     trained = hf_weights(f"{frozen}/global_step_2")
     assert all(torch.equal(trained[name], pretrained[name]) for name in tower)
     assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], pretrained["model.layers.0.mlp.up_proj.weight"])
+
+
+# ---- GRPO: image prompts in verl's RL layout, rolled out by the hf engine ------------------------------------------
+RL_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": solution_str.count("4") / max(len(solution_str), 1), "acc": float("4" in solution_str)}
+"""
+
+
+def rl_rows(count: int) -> list[dict]:
+    """geo3k's layout: the prompt's messages with `<image>` marks, the row's images, every fourth row text only."""
+    rows = []
+    for i in range(count):
+        text_only = i % 4 == 3
+        content = "what is 2 + 2?" if text_only else "<image>" * (1 + i % 2) + "what is 2 + 2?"
+        images = [] if text_only else [{"bytes": picture(10 + i + k, 16 + 8 * (i % 3), 24), "path": None} for k in range(1 + i % 2)]
+        rows.append({"prompt": [{"role": "user", "content": content}], "images": images, "data_source": "shapes",
+                     "reward_model": {"ground_truth": "4", "style": "rule"}})
+    return rows
+
+
+def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution(vl_folder, tmp_path):
+    """Image and text prompts in one batch, n responses each from one prefill: each sampled token's log-prob is a
+    plain forward's, and so is the trainer's, from the responses packed after their shared prompt."""
+    from fsdptrain.rl.agent.loop import SingleTurn
+    from fsdptrain.rl.data import load_prompts
+    from fsdptrain.rl.rollout.hf import HFRollout
+    from fsdptrain.rl.samples import make_samples
+
+    rows = rl_rows(4)
+    path = write_rows(tmp_path / "rl.parquet", rows)
+    tokenizer = AutoTokenizer.from_pretrained(vl_folder)
+    reader = image_reader(vl_folder, "model", "images", tokenizer, AutoConfig.from_pretrained(vl_folder), False)
+    prompts = load_prompts([path], tokenizer, images=reader)
+    assert [p.images is None for p in prompts] == [False, False, False, True]
+    engine = HFRollout(vl_folder, torch.device("cpu"), torch.float32, pad_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    generations = SingleTurn(engine).generate(prompts, n=3, max_new_tokens=10, batch_size=6, calculate_log_probs=True)
+    assert len(generations) == 12 and max(len(g.response_ids) for g in generations) > 5
+    reference, processor = plain(vl_folder), AutoImageProcessor.from_pretrained(vl_folder)
+    expected = []
+    for index, generation in enumerate(generations):
+        ids = torch.tensor(generation.prompt_ids + generation.response_ids)
+        inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == reference.config.image_token_id).int()[None]}
+        row = rows[index // 3]
+        if row["images"]:
+            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]], return_tensors="pt"))
+        with torch.no_grad():
+            logits = reference(**inputs).logits[0]
+        want = logits[:-1].log_softmax(-1).gather(1, ids[1:, None]).squeeze(1)[len(generation.prompt_ids) - 1 :]
+        torch.testing.assert_close(torch.tensor(generation.log_probs), want, atol=1e-4, rtol=0, msg=f"rollout: response {index}")
+        expected.append(want)
+    samples = make_samples(generations, mask_truncated=False)
+    model = as_trained(vl_folder, True, reference)
+    batch = collate_packed(samples, share_prefixes=True)
+    with torch.no_grad():
+        log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16, token_rows=batch.token_rows)
+    start = 0
+    for index, (sample, want) in enumerate(zip(samples, expected)):
+        got = log_probs.reshape(-1)[start : start + len(sample) - 1][sample.loss_mask[1:].bool()]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"trainer: response {index}")
+        start += len(sample)
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactly(tmp_path):
+    from test_grpo import grpo_args
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rl_rows(16))
+    write_rows(data / "rl_val.parquet", rl_rows(4))
+    (data / "reward.py").write_text(RL_REWARD)
+    common = dict(data__max_prompt_length=256, actor_rollout_ref__model__fsdp_config__model_dtype="fp32", actor_rollout_ref__actor__use_kl_loss="true",
+                  trainer__save_freq=1, trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, straight, **common))
+    metrics = read_metrics(straight)
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["prompt_length/max"] > 30  # image tokens in the prompts
+    assert "val-core/shapes/acc/mean@1" in metrics[-1] or any(k.startswith("val-core/") for k in metrics[-1])
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, resumed, **{**common, "trainer__total_training_steps": 1}))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, resumed, **common))
+    again = read_metrics(resumed)
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+        assert again[1][key] == pytest.approx(metrics[1][key], rel=1e-5, abs=1e-7), key
+    assert_same_weights(hf_weights(f"{resumed}/global_step_2"), hf_weights(f"{straight}/global_step_2"), atol=1e-6)
+
+
+def test_a_response_that_draws_an_image_token_ends_before_it(tmp_path):
+    """An image token in a response would be taken for an image's place by every later forward: the hf engine ends
+    the response before it (cut short), its tokens before it as drawn."""
+    from fsdptrain.rl.rollout.hf import HFRollout
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    engine = HFRollout(str(folder), torch.device("cpu"), torch.float32, pad_id=0)
+    assert engine.placeholder_ids == [engine.model.config.image_token_id, engine.model.config.video_token_id]
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    torch.manual_seed(0)
+    free = engine.generate(prompts, n=2, max_new_tokens=12, batch_size=4)
+    row, place = next((r, k) for r, g in enumerate(free) for k in range(1, len(g.response_ids)) if g.response_ids[k] not in g.response_ids[:k])
+    engine.placeholder_ids = [free[row].response_ids[place]]  # as if that token were the image's
+    torch.manual_seed(0)
+    cut = engine.generate(prompts, n=2, max_new_tokens=12, batch_size=4)
+    assert cut[row].response_ids == free[row].response_ids[:place] and cut[row].truncated
+    assert all(engine.placeholder_ids[0] not in g.response_ids for g in cut)
+
+
+@pytest.mark.slow
+def test_a_grpo_mini_batch_gradient_with_images_is_the_same_whatever_the_layout(tmp_path):
+    """Groups of image and text prompts: one process with micro-batches of 8 packed sequences (each prompt with
+    its image held once for its responses), two with micro-batches of 1 padded sequence, two at the defaults."""
+    from tests.checks.common import relative_gap
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = write_rows(tmp_path / "rl.parquet", rl_rows(4))
+    gradients = {}
+    for name, (nproc, micro, packed) in {"dp1-micro8-packed": (1, 8, "true"), "dp2-micro1-padded": (2, 1, "false"),
+                                         "dp2-defaults": (2, "default", "true")}.items():
+        out = str(tmp_path / f"{name}.pt")
+        torchrun(nproc, "tests.checks.vision_check", [str(folder), data, out, str(micro), packed])
+        gradients[name] = torch.load(out)
+    reference = gradients.pop("dp1-micro8-packed")
+    assert any(name.startswith("model.visual.") and float(grad.abs().max()) > 0 for name, grad in reference.items())
+    for layout, gradient in gradients.items():
+        assert relative_gap(gradient, reference) < 2e-5, layout

@@ -47,6 +47,7 @@ class RLDataConfig:
     truncation: str
     shuffle: bool
     apply_chat_template_kwargs: dict[str, Any]
+    image_key: str
 
 
 @dataclass

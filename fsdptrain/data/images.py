@@ -24,6 +24,21 @@ IMAGE_MARK = "<image>"
 
 
 @dataclass(frozen=True)
+class Images:
+    """A prompt's images as the model reads them (`pixel_values`, `image_grid_thw`), with the prompt's (3, length)
+    rotary positions: what a rollout engine prefills and what each of its responses' samples carries."""
+
+    inputs: dict[str, torch.Tensor]
+    positions: torch.Tensor
+
+    def positions_through(self, length: int) -> torch.Tensor:
+        """(3, length) positions of the prompt continued by `length` - its length tokens of text: each one past the
+        largest position before it, on all three axes."""
+        extra = length - self.positions.shape[1]
+        return torch.cat([self.positions, (self.positions.max() + 1 + torch.arange(extra)).expand(3, -1)], dim=1)
+
+
+@dataclass(frozen=True)
 class ImageReader:
     """Reads the images of rows for one model: its image processor and its image tokens."""
 

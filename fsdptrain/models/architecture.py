@@ -29,6 +29,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdptrain.models.router_balance import RouterBalance, router_balance
+from fsdptrain.models.vision import is_vision_language
 
 LINEAR_ATTENTION = "linear_attention"
 # transformers' names for dropout probabilities in model configs; classifier_dropout is a head's (the critic's is set to 0)
@@ -43,6 +44,7 @@ class Architecture:
     supports_sdpa: bool  # transformers' SDPA attention implements the model
     dropout: tuple[str, ...]  # the config's dropout keys above 0
     router_balance: RouterBalance | None  # the MoE routers' load-balancing loss the config asks for
+    vision_language: bool = False  # a vision tower reads the prompts' images (models/vision.py)
 
     @property
     def shares_prompts(self) -> bool:
@@ -61,6 +63,7 @@ def read_architecture(hf_config: PretrainedConfig) -> Architecture:
         supports_sdpa=model_class is None or bool(getattr(model_class, "_supports_sdpa", False)),
         dropout=dropout,
         router_balance=router_balance(text),
+        vision_language=is_vision_language(hf_config),
     )
 
 

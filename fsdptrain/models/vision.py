@@ -66,6 +66,14 @@ def attention_setting(hf_config: PretrainedConfig, decoder_attention: str) -> st
     return {"text_config": decoder_attention, "vision_config": "sdpa"}
 
 
+def image_placeholder_ids(hf_config: PretrainedConfig) -> list[int]:
+    """The tokens a vision-language model's forward takes for an image's or a video's place (none for a text
+    model): a response cannot hold them."""
+    if not is_vision_language(hf_config):
+        return []
+    return [i for i in (hf_config.image_token_id, getattr(hf_config, "video_token_id", None)) if i is not None]
+
+
 def vision_tower(model: nn.Module) -> nn.Module:
     """The vision encoder and its merger into the decoder's width (transformers names it `visual` in these models)."""
     return model.get_submodule("model.visual")

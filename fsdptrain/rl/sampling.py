@@ -38,9 +38,10 @@ def fit_prompts(prompts: list[Prompt], limit: int, truncation: str, drop_overlon
             kept.append(prompt)
         elif drop_overlong:
             continue
-        elif truncation == "error":
+        elif truncation == "error" or prompt.images is not None:
+            why = "data.truncation=error" if truncation == "error" else "a prompt with images is never cut: its images would not match"
             raise ConfigError(f"{source} row {row}: the prompt has {len(prompt.ids)} tokens, over data.max_prompt_length={limit} "
-                              "(data.truncation=error, data.filter_overlong_prompts=false)")
+                              f"({why}; data.filter_overlong_prompts=false)")
         else:
             prompt.ids = prompt.ids[-limit:] if truncation == "left" else prompt.ids[:limit]
             kept.append(prompt)

@@ -19,6 +19,7 @@ from transformers import AutoModelForTokenClassification, PretrainedConfig, PreT
 
 from fsdptrain.config.grpo import GRPOTrainerConfig, KLControlConfig, RLDataConfig
 from fsdptrain.data.dataset import Sample, check_files_exist
+from fsdptrain.data.images import ImageReader, image_reader
 from fsdptrain.data.micro_batches import MicroBatching
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.offload import PhaseOffload
@@ -29,6 +30,7 @@ from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.architecture import read_architecture
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.lora import adapters_disabled
+from fsdptrain.models.vision import is_vision_language
 from fsdptrain.optim import build_optimizer, build_scheduler
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import PolicyActor, compute_log_probs
@@ -276,7 +278,10 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {plan.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
     reward_fn = build_reward_function(plan.reward)
-    train, val = (load_rl_prompts(data, plan.default_agent_loop, files, tokenizer, key, tools, interactions)
+    images = None
+    if is_vision_language(hf_config):
+        images = image_reader(spec.path, "actor_rollout_ref.model.path", data.image_key, tokenizer, hf_config, spec.model.trust_remote_code)
+    train, val = (load_rl_prompts(data, plan.default_agent_loop, files, tokenizer, key, tools, interactions, images)
                   for files, key in ((data.train_files, "data.train_files"), (data.val_files, "data.val_files")))
     total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "prompts")
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
@@ -396,19 +401,22 @@ def build_reward_function(reward: RewardPlan) -> RewardFn:
 
 
 def load_rl_prompts(data: RLDataConfig, default_agent_loop: str, files: list[str], tokenizer, key: str, tools: dict[str, BaseTool],
-                    interactions: dict[str, BaseInteraction]) -> list:
+                    interactions: dict[str, BaseInteraction], images: ImageReader | None = None) -> list:
     """The prompts of `files` (data.train_files or data.val_files, named by `key`), rendered with the schemas of
-    multi-turn `tools`, their rows' interactions and agent loops checked (a row without `agent_name` takes
-    `default_agent_loop`), fitted to data.max_prompt_length."""
+    multi-turn `tools` (with a vision-language model's `images` reader, their images read), their rows'
+    interactions and agent loops checked (a row without `agent_name` takes `default_agent_loop`), fitted to
+    data.max_prompt_length."""
     if not files:
         return []
-    prompts = load_prompts(files, tokenizer, data.apply_chat_template_kwargs, tool_schemas(tools))
+    prompts = load_prompts(files, tokenizer, data.apply_chat_template_kwargs, tool_schemas(tools), images)
     check_interaction_names(prompts, interactions, key)
     for row, prompt in enumerate(prompts):
         prompt.agent_name = prompt.agent_name or default_agent_loop
         if prompt.agent_name not in AGENT_LOOPS:
             raise ConfigError(f"{key} row {row}: agent_name={prompt.agent_name!r} is not a registered agent loop "
                               f"({'|'.join(AGENT_LOOPS)})")
+        if prompt.images is not None and prompt.agent_name != "single_turn_agent":
+            raise ConfigError(f"{key} row {row}: agent_name={prompt.agent_name!r} with images: only single_turn_agent takes them")
     return fit_prompts(prompts, data.max_prompt_length, data.truncation, data.filter_overlong_prompts, key)
 
 

@@ -758,6 +758,8 @@ def fit_to_architecture(plan: GRPOPlan, architecture: Architecture, critic_archi
     would make the update's forward differ from it, and the routers' load-balancing loss where the model's config
     asks for it (the policy's: the critic trains without it)."""
     ROLLOUT_ENGINES.info[plan.engine_name].check_architecture(architecture.model_type, plan.engine)
+    if architecture.vision_language:
+        check_images_reach(plan, architecture.model_type)
     forward, one_pass = plan.forward, plan.one_pass
     if forward.share_prompts and not architecture.shares_prompts:
         forward = replace(forward, share_prompts=False)
@@ -774,6 +776,24 @@ def fit_to_architecture(plan: GRPOPlan, architecture: Architecture, critic_archi
         log.info(f"the critic's {critic_architecture.model_type} has linear-attention layers: each response is packed with its own prompt "
                  "(critic.model.share_prompts taken as false)")
     return replace(plan, forward=forward, one_pass=one_pass, loss=replace(plan.loss, router_balance=architecture.router_balance), critic=critic)
+
+
+def check_images_reach(plan: GRPOPlan, model_type: str) -> None:
+    """A vision-language policy's images reach its rollout, its old and reference log-probs and its update; the
+    parts of a run they would not reach are refused by name."""
+    unbuilt = {
+        f"{ROLLOUT}.name={plan.engine_name}": not ROLLOUT_ENGINES.info[plan.engine_name].images,
+        f"{ROLLOUT}.multi_turn.enable=true": plan.multi_turn is not None,
+        "an asynchronous trainer mode (trainer.v1)": plan.asynchronous is not None,
+        "a critic": plan.critic is not None,
+        "reward_model.enable=true": plan.reward.model is not None,
+        "distillation.enabled=true": plan.teacher is not None,
+        f"{ROLLOUT}.beam_search=true": plan.ranked_responses,
+    }
+    refused = [name for name, unreached in unbuilt.items() if unreached]
+    if refused:
+        raise ConfigError(f"actor_rollout_ref.model.path is a vision-language model ({model_type}); its images do not reach "
+                          f"{', '.join(refused)}: not built for images yet (the hf rollout engine, one turn, the sync mode)")
 
 
 def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:

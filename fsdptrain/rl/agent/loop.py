@@ -28,7 +28,7 @@ from fsdptrain.rl.agent.templates import TurnRenderer
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS, ParsedTurn, ToolCall
 from fsdptrain.rl.agent.tools import BaseTool, response_text, tool_schemas
 from fsdptrain.rl.data import Prompt
-from fsdptrain.rl.rollout.base import AgentTrace, Generation, RolloutEngine
+from fsdptrain.rl.rollout.base import AgentTrace, Generation, RolloutEngine, group_ids
 
 log = logging.getLogger("fsdptrain")
 
@@ -117,7 +117,12 @@ class SingleTurn:
     engine: RolloutEngine
 
     def generate(self, prompts: Sequence[Prompt], **request) -> list[Generation]:
-        return self.engine.generate([p.ids for p in prompts], **request)
+        if all(p.images is None for p in prompts):
+            return self.engine.generate([p.ids for p in prompts], **request)
+        generations = self.engine.generate([p.ids for p in prompts], images=[p.images for p in prompts], **request)
+        for group, generation in zip(group_ids(len(prompts), request["n"]), generations):
+            generation.images = prompts[group].images
+        return generations
 
 
 @AGENT_LOOPS.register("single_turn_agent")

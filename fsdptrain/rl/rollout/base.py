@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from fsdptrain.data.images import Images
 from fsdptrain.registry import Registry
 
 
@@ -54,6 +55,7 @@ class Generation:
     truncated: bool  # stopped by max_new_tokens (a multi-turn trajectory: by its response budget) before an end token
     trace: AgentTrace | None = None  # a multi-turn trajectory's
     versions: list[int] | None = None  # partial rollouts: the policy version that drew each response token
+    images: Images | None = None  # a vision-language model's prompt images (the agent loop sets them)
 
     @property
     def mask(self) -> torch.Tensor:
@@ -91,10 +93,12 @@ class RolloutEngine(Protocol):
     group: dist.ProcessGroup | None  # the ranks that share this engine and call it together (None: this rank alone)
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
+                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False,
+                 images: Sequence[Images | None] | None = None) -> list[Generation]:
         """`n` responses to each prompt, n in a row; `batch_size` sequences a forward where the engine batches by
-        count; with `calculate_log_probs` each response's sampling log-probs. With tensor parallelism every rank
-        of the engine calls it, each with its own prompts (or none)."""
+        count; with `calculate_log_probs` each response's sampling log-probs; a vision-language model's `images`
+        of each prompt (None for a text prompt), from an engine that declares EngineInfo.images. With tensor
+        parallelism every rank of the engine calls it, each with its own prompts (or none)."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -163,6 +167,7 @@ class EngineInfo:
     package: str | None = None  # the optional package it imports (config.base.PACKAGES), checked before any work
     own_world: bool = False  # builds itself over its process's torch.distributed world: a standalone rollout rank runs it in a process of its own
     check_architecture: Callable[[str, "EngineSpec"], None] = no_architecture_check  # a model type it cannot run right as specified (ConfigError)
+    images: bool = False  # takes a vision-language model's prompt images
 
 
 def engine_settings(info: EngineInfo, values: Mapping[str, Any]) -> Any:

@@ -21,9 +21,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from fsdptrain.data.images import Images
 from fsdptrain.distributed.offload import HostCopies, release_cached
 from fsdptrain.models.architecture import read_architecture
 from fsdptrain.models.attention import GROUPED_ATTENTION
+from fsdptrain.models.vision import IMAGE_INPUTS, attention_setting, image_placeholder_ids, model_class
 from fsdptrain.rl.rollout.base import ROLLOUT_ENGINES, EngineInfo, EngineSpec, Generation
 from fsdptrain.rl.rollout.beams import catalog_tree, item_end, read_catalog
 
@@ -113,18 +115,20 @@ class Decoded:
 
 
 @torch.no_grad()
-def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-           end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool,
+def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+           max_new_tokens: int, end_ids: list[int], pad_id: int, warp: LogitsProcessorList, do_sample: bool,
            tree: dict[tuple[int, ...], list[int]] | None = None, temperature: float = 1.0,
            refresh: WeightsRefresh | None = None, prompts: Sequence[list[int]] = (), budgets: torch.Tensor | None = None,
-           enough: Callable[[list[int]], bool] | None = None, version: int = 0) -> Decoded:
-    """Responses decoded from each row's next-token `logits` after its left-padded prompt (`prompts`, one a row,
-    with `refresh`), whose keys and values `cache` holds; with a catalog's prefix `tree`, every response is one of
+           enough: Callable[[list[int]], bool] | None = None, version: int = 0, images: Sequence[Images | None] | None = None,
+           placeholder_ids: Sequence[int] = ()) -> Decoded:
+    """Responses decoded from each row's next-token `logits` and next position (`positions`) after its left-padded
+    prompt (`prompts` and their `images`, one a row, with `refresh`), whose keys and values `cache` holds; with a catalog's prefix `tree`, every response is one of
     its items. A row ends at its first end token or after its budget of tokens (`budgets`, a row's; else
     max_new_tokens each); only the rows still going are forwarded, their cache entries selected as the others end.
     Each token is tagged with the policy version that drew it: `version`, or with `refresh` the weights' version
     then, newer weights being taken between two tokens. `enough(rows still going)` may stop decoding after any
-    token (colocate_async's pool)."""
+    token (colocate_async's pool). A row that draws one of `placeholder_ids` (a vision-language model's image
+    tokens, which its forward would take for an image's place) ends before it, as a response cut short."""
     rows, device = logits.shape[0], logits.device
     tokens = torch.full((rows, max_new_tokens), pad_id, device=device)
     log_probs = torch.zeros(rows, max_new_tokens, device=device)
@@ -132,8 +136,7 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
     drawn = torch.zeros(rows, dtype=torch.long, device=device)
     budgets = torch.full((rows,), max_new_tokens, device=device) if budgets is None else budgets.to(device)
     live = torch.arange(rows, device=device)
-    ends = torch.tensor(end_ids, device=device)
-    positions = attention_mask.sum(-1)  # the next token's position: the row's count of real tokens
+    ends, placeholders = torch.tensor(end_ids, device=device), torch.tensor(list(placeholder_ids), dtype=torch.long, device=device)
     keyword = cache_keyword(model)
     version = refresh.version if refresh is not None else version
     for step in range(max_new_tokens):
@@ -142,9 +145,10 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
         else:
             chosen, chosen_log_probs = constrained_draw(logits.float(), tokens[live, :step], tree, end_ids, warp, do_sample, temperature)
         tokens[live, step], log_probs[live, step] = chosen, chosen_log_probs
-        drawn[live] += 1
+        written = ~torch.isin(chosen, placeholders)
+        drawn[live] += written
         versions[live, step] = version
-        going = ~torch.isin(chosen, ends) & (budgets[live] > step + 1)
+        going = ~torch.isin(chosen, ends) & (budgets[live] > step + 1) & written
         if step == max_new_tokens - 1 or not going.any():
             live = live[:0]
             break
@@ -156,8 +160,8 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
             break
         if refresh is not None and (newer := refresh.load()) is not None:  # the live rows so far, prefilled under the new weights
             version = refresh.version = newer
-            cache, logits, attention_mask = prefill(model, [list(prompts[row]) + tokens[row, : step + 1].tolist() for row in live.tolist()], pad_id)
-            positions = attention_mask.sum(-1)
+            cache, logits, attention_mask, positions = prefill(model, [list(prompts[row]) + tokens[row, : step + 1].tolist() for row in live.tolist()],
+                                                               pad_id, [images[row] for row in live.tolist()] if images else None)
             continue
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
         logits = model(input_ids=chosen[:, None], attention_mask=attention_mask, position_ids=positions[:, None], use_cache=True,
@@ -166,8 +170,11 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
     return Decoded(tokens, log_probs, versions, drawn, live.tolist())
 
 
-def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """The key/value cache of `prompts` left-padded to one width, each one's next-token logits, and the attention mask.
+def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int, images: Sequence[Images | None] | None = None
+            ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The key/value cache of `prompts` left-padded to one width, each one's next-token logits, the attention mask,
+    and each one's next position (a vision-language model's prompt `images` with their 3-D positions; a text
+    token's position is one past the largest before it).
 
     The cache's rows are chosen (repeated, selected) by `reorder_cache`, which every cache layer has, those with a
     recurrent state (linear attention) included; batch_select_indices and batch_repeat_interleave are key/value
@@ -175,12 +182,22 @@ def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int) -
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompts], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    extra = {}
+    if images is not None and any(i is not None for i in images):
+        positions = torch.zeros(3, len(prompts), width, dtype=torch.long)
+        for row, (ids, image) in enumerate(zip(prompts, images)):
+            positions[:, row, width - len(ids) :] = image.positions_through(len(ids)) if image is not None else torch.arange(len(ids))
+        positions = positions.to(model.device)
+        following = positions.amax(dim=(0, 2)) + 1
+        extra = {name: torch.cat([i.inputs[name] for i in images if i is not None]).to(model.device) for name in IMAGE_INPUTS}
+    else:
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        following = attention_mask.sum(-1)
     # the last position as an index tensor, not logits_to_keep=1: its slice of the hidden states is not contiguous,
     # and torch.matmul then copies the output layer's weight once per row of the batch
     output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                   logits_to_keep=torch.tensor([width - 1], device=model.device))
-    return output[cache_keyword(model)], output.logits[:, -1], attention_mask
+                   logits_to_keep=torch.tensor([width - 1], device=model.device), **extra)
+    return output[cache_keyword(model)], output.logits[:, -1], attention_mask, following
 
 
 @torch.no_grad()
@@ -188,25 +205,29 @@ def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
     pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, do_sample: bool = True,
     calculate_log_probs: bool = False, tree: dict[tuple[int, ...], list[int]] | None = None, refresh: WeightsRefresh | None = None,
+    images: Sequence[Images | None] | None = None, placeholder_ids: Sequence[int] = (),
 ) -> list[Generation]:
     """`n` responses to each prompt (n in a row), in left-padded batches. Each distinct prompt of a batch is
     prefilled once and its key/value cache copied to its responses: on a CPU, prefilling n copies of a prompt costs
     more than decoding the answers. Sampling follows the rollout's temperature, top-k and top-p only (not the
     model's generation_config), the distribution whose log-probs the trainer computes. With `refresh` (partial
-    rollouts), each response token carries the version of the weights that drew it."""
+    rollouts), each response token carries the version of the weights that drew it. A vision-language model's
+    prompt `images` (one a prompt, None for a text prompt) are prefilled with their prompts."""
     warp = warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     generations = []
-    for distinct, copies in group_batches(prompts, n, batch_size):
-        cache, logits, attention_mask = prefill(model, distinct, pad_id)
+    for distinct, copies in group_batches(list(zip(prompts, images or [None] * len(prompts))), n, batch_size):
+        distinct_ids, distinct_images = [ids for ids, _ in distinct], [image for _, image in distinct]
+        cache, logits, attention_mask, positions = prefill(model, distinct_ids, pad_id, distinct_images)
         cache.reorder_cache(torch.arange(len(distinct), device=logits.device).repeat_interleave(copies))
-        batch = [ids for ids in distinct for _ in range(copies)]
-        decoded = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0), max_new_tokens,
-                         end_ids, pad_id, warp, do_sample, tree, temperature, refresh, batch)
+        batch = [ids for ids in distinct_ids for _ in range(copies)]
+        decoded = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0),
+                         positions.repeat_interleave(copies, 0), max_new_tokens, end_ids, pad_id, warp, do_sample, tree, temperature, refresh,
+                         batch, images=[image for image in distinct_images for _ in range(copies)], placeholder_ids=placeholder_ids)
         for row, kept in enumerate(decoded.drawn.tolist()):
             ids = decoded.tokens[row, :kept].tolist()
             sampled = decoded.log_probs[row, :kept].tolist() if calculate_log_probs else None
             drawn_by = decoded.versions[row, :kept].tolist() if refresh is not None else None
-            generations.append(Generation(batch[row], ids, [1] * kept, sampled, ids[-1] not in end_ids, versions=drawn_by))
+            generations.append(Generation(batch[row], ids, [1] * kept, sampled, not ids or ids[-1] not in end_ids, versions=drawn_by))
     return generations
 
 
@@ -222,10 +243,10 @@ def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, ma
     per_search = max(batch_size // n, 1)
     for first in range(0, len(prompts), per_search):
         batch = prompts[first : first + per_search]
-        cache, logits, attention_mask = prefill(model, batch, pad_id)
+        cache, logits, attention_mask, positions = prefill(model, batch, pad_id)
         cache.reorder_cache(torch.arange(len(batch), device=logits.device).repeat_interleave(n))
-        tokens, finished = search_beams(model, cache, logits.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0), n,
-                                        max_new_tokens, end_ids, pad_id, tree)
+        tokens, finished = search_beams(model, cache, logits.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0),
+                                        positions.repeat_interleave(n, 0), n, max_new_tokens, end_ids, pad_id, tree)
         for row, ids in enumerate(tokens.view(len(batch) * n, -1).tolist()):
             end = next((i for i, token in enumerate(ids) if token in end_ids), None)
             response = ids if end is None else ids[: end + 1]
@@ -233,8 +254,9 @@ def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, ma
     return generations
 
 
-def search_beams(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, n: int, max_new_tokens: int,
-                 end_ids: list[int], pad_id: int, tree: dict[tuple[int, ...], list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def search_beams(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, n: int,
+                 max_new_tokens: int, end_ids: list[int], pad_id: int, tree: dict[tuple[int, ...], list[int]] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (prompts, n, max_new_tokens), finished (prompts, n)): the `n` finished beams of each prompt, best
     first, from `n` copies of its next-token `logits` and cache. transformers' rule, step by step: the top
     (1 + end tokens) x n continuations of all beams; those among the first n that end (an end token, or the length
@@ -253,7 +275,6 @@ def search_beams(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, att
     done_scores = torch.full((prompts, n), never, device=device)
     done = torch.zeros((prompts, n), dtype=torch.bool, device=device)
     improvable = torch.ones((prompts, 1), dtype=torch.bool, device=device)
-    positions = attention_mask.sum(-1)
     keyword = cache_keyword(model)
     for step in range(max_new_tokens):
         log_probs = logits.float().log_softmax(-1)
@@ -305,13 +326,15 @@ class HFRollout:
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False,
                  free_cache_engine: bool = True, beams: bool = False, catalog_file: str | None = None):
         # SDPA on accelerators where transformers implements the model with it (gpt-oss's sinks it does not)
-        supports_sdpa = read_architecture(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)).supports_sdpa
-        attention = "sdpa" if device.type != "cpu" and supports_sdpa else GROUPED_ATTENTION
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        attention = "sdpa" if device.type != "cpu" and read_architecture(config).supports_sdpa else GROUPED_ATTENTION
+        self.model = model_class(config, AutoModelForCausalLM).from_pretrained(path, dtype=dtype, attn_implementation=attention_setting(config, attention),
+                                                                              trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
         self.device, self.dtype, self.pad_id = device, self.model.dtype, pad_id
         self.group = None  # every rank runs its own copy
         self.end_ids = end_token_ids(self.model, pad_id)
+        self.placeholder_ids = image_placeholder_ids(config)
         # What decides a response is what the rollout asks for: the folder's generation_config.json (a repetition
         # penalty, sampling settings) would otherwise fill in whatever a call leaves at transformers' defaults.
         self.model.generation_config = GenerationConfig(eos_token_id=self.end_ids, pad_token_id=pad_id)
@@ -326,11 +349,12 @@ class HFRollout:
                                         item_end(tokenizer, self.end_ids))
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
+                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False,
+                 images: Sequence[Images | None] | None = None) -> list[Generation]:
         if self.beams:
             return beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog, batch_size)
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
-                        calculate_log_probs, self.catalog, self.refresh)
+                        calculate_log_probs, self.catalog, self.refresh, images, self.placeholder_ids)
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -368,7 +392,7 @@ class HFSettings:
     catalog_file: str | None = None  # responses constrained to its items
 
 
-@ROLLOUT_ENGINES.register("hf", info=EngineInfo(HFSettings, beams=True, constrained=True))
+@ROLLOUT_ENGINES.register("hf", info=EngineInfo(HFSettings, beams=True, constrained=True, images=True))
 def build_hf_rollout(spec: EngineSpec) -> HFRollout:
     settings: HFSettings = spec.settings
     return HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine, settings.beam_search,

@@ -135,13 +135,13 @@ class ResponsePool:
             sequences = [tuple(g.prompt.ids + r.tokens) for g, r in rows]
             distinct = list(dict.fromkeys(sequences))
             where = {sequence: i for i, sequence in enumerate(distinct)}
-            cache, logits, attention_mask = prefill(engine.model, [list(s) for s in distinct], engine.pad_id)
+            cache, logits, attention_mask, positions = prefill(engine.model, [list(s) for s in distinct], engine.pad_id)
             index = torch.tensor([where[s] for s in sequences], device=logits.device)
             cache.reorder_cache(index)
             budgets = torch.tensor([request.max_new_tokens - len(r.tokens) for _, r in rows])
-            decoded = decode(engine.model, cache, logits[index], attention_mask[index], int(budgets.max()), engine.end_ids, engine.pad_id, warp,
-                             request.do_sample, temperature=request.temperature, budgets=budgets, enough=self.enough_when(rows, count, wanted),
-                             version=self.version)
+            decoded = decode(engine.model, cache, logits[index], attention_mask[index], positions[index], int(budgets.max()), engine.end_ids,
+                             engine.pad_id, warp, request.do_sample, temperature=request.temperature, budgets=budgets,
+                             enough=self.enough_when(rows, count, wanted), version=self.version)
             unfinished = set(decoded.unfinished)
             for row, ((_, response), drawn) in enumerate(zip(rows, decoded.drawn.tolist())):
                 response.tokens += decoded.tokens[row, :drawn].tolist()
