@@ -112,8 +112,11 @@ VISION_LANGUAGE = {
     "qwen2_5_vl": (QWEN_IMAGE_TOKENS, dict(window_size=16, fullatt_block_indexes=[1]), dict(mrope_section=[2, 3, 3])),
     "qwen3_vl": (QWEN_IMAGE_TOKENS, dict(deepstack_visual_indexes=[0], num_position_embeddings=64),
                  dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
+    "qwen3_vl_moe": (QWEN_IMAGE_TOKENS, dict(deepstack_visual_indexes=[0], num_position_embeddings=64),
+                     dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
     "glm4v": (GLM_IMAGE_TOKENS, dict(image_size=32), dict(mrope_section=[1, 1, 2], partial_rotary_factor=0.5)),
 }
+VISION_LANGUAGE_TEXT = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)}
 
 
 def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: int, out: str) -> None:
@@ -127,7 +130,8 @@ def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: in
     torch.manual_seed(seed)
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **rope},
-                tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                **VISION_LANGUAGE_TEXT.get(arch, {}))
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
                   out_hidden_size=64, **vision)
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in image_tokens.items()}

@@ -58,6 +58,10 @@ def test_gsm8k_and_math_scores():
     assert math_score(r"\boxed{4}", r"\boxed{3}") == 0.0 and math_score("3", "3") == 0.0
     assert default_compute_score("openai/gsm8k", "#### 3", "3") == 1.0
     assert default_compute_score("lighteval/MATH", r"\boxed{3}", "3") == 1.0
+    # verl's geo3k rule (0.9 for the boxed answer, 0.1 for the <think> format)
+    assert default_compute_score("hiyouga/geometry3k", r"<think>a, b</think> so \boxed{4}", "4") == 1.0
+    assert default_compute_score("hiyouga/geometry3k", r"\boxed{4}", "4") == pytest.approx(0.9)
+    assert default_compute_score("hiyouga/geometry3k", "<think>a\n</think>\n\\boxed{5}", "4") == pytest.approx(0.1)
     with pytest.raises(RewardError, match="no built-in reward for data_source 'poetry'"):
         default_compute_score("poetry", "x", "y")
 

@@ -19,10 +19,13 @@ def parameters(function) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
 
-@pytest.mark.parametrize("engine", [HFRollout, VLLMRollout, EngineProcess])
-def test_every_method_takes_the_contracts_arguments(engine):
+@pytest.mark.parametrize("engine, takes_images", [(HFRollout, True), (VLLMRollout, False), (EngineProcess, False)])
+def test_every_method_takes_the_contracts_arguments(engine, takes_images):
+    """The contract's arguments; `images` besides them where the engine declares that it takes them."""
     for method in METHODS:
-        assert parameters(getattr(engine, method)) == parameters(getattr(RolloutEngine, method)), f"{engine.__name__}.{method}"
+        extra = [("images", inspect.Parameter.KEYWORD_ONLY, None)] if method == "generate" and takes_images else []
+        assert parameters(getattr(engine, method)) == parameters(getattr(RolloutEngine, method)) + extra, f"{engine.__name__}.{method}"
+    assert ROLLOUT_ENGINES.names(images=True) == ("hf",)
 
 
 def test_every_named_engine_is_built():

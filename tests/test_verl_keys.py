@@ -296,6 +296,13 @@ def test_the_generated_docs_section_is_current():
 
 
 V09_EXAMPLES = EXAMPLES / "verl-0.9.0" / "examples"
+SP_SIZE = "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"  # verl 0.9's sequence-parallel size
+
+
+def fitted_sp(args: list[str]) -> dict[str, int]:
+    """The script's sequence-parallel size, at most the 2 processes' (none where the script sets none)."""
+    given = [int(arg.partition("=")[2]) for arg in args if arg.startswith(f"{SP_SIZE}=")]
+    return {SP_SIZE: min(given[-1], 2)} if given else {}
 # The FSDP scripts of verl 0.9.0's examples that ask for something not built, and the keys that say so; every
 # other one loads with no problem at all. Vision-language ones load too, and stop at their model or data.
 V09_REFUSED = {
@@ -362,6 +369,7 @@ def test_verl_09s_fsdp_examples_pass_check(script, example_inputs, capsys):
     trainer = "sft" if module == "verl.trainer.sft_trainer" else "grpo"
     local = {key: value for key, value in example_locals(trainer, example_inputs).items()
              if "custom_reward_function" not in key or any(arg.startswith(f"{key}=") for arg in args)}  # a path the script gives
+    local.update(fitted_sp(args))
     code = check_main([trainer, "--nproc-per-node", "2", "--device", "cpu", *with_local(args, local)])
     output = capsys.readouterr()
     problems = output.err.partition("the run would not start:\n")[2].strip().splitlines()
@@ -512,7 +520,7 @@ def v09_example(script: str, model: str, data: Path, out: str, **local) -> list[
     processes (one rollout engine each)."""
     positional = ("2", out) if script.startswith("sft/") else ()
     _, args = launch_arguments(V09_EXAMPLES / script, *positional)
-    return with_local(args, {**sizes_and_paths(model, data, out), **EXAMPLE_SIZES, **local})
+    return with_local(args, {**sizes_and_paths(model, data, out), **EXAMPLE_SIZES, **fitted_sp(args), **local})
 
 
 def console_steps(stdout: str) -> list[tuple[str, str]]:

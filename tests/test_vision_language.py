@@ -331,21 +331,81 @@ def test_a_response_that_draws_an_image_token_ends_before_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_grpo_mini_batch_gradient_with_images_is_the_same_whatever_the_layout(tmp_path):
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_grpo_mini_batch_gradient_with_images_is_the_same_whatever_the_layout(tmp_path, arch):
     """Groups of image and text prompts: one process with micro-batches of 8 packed sequences (each prompt with
-    its image held once for its responses), two with micro-batches of 1 padded sequence, two at the defaults."""
+    its image held once for its responses), two with micro-batches of 1 padded sequence, two at the defaults, and
+    one Ulysses group of two, each rank a slice of every row (Qwen3-VL's deepstack features cut with it)."""
     from tests.checks.common import relative_gap
 
     folder = tmp_path / "model"
-    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    make_tiny.tiny_vision_language(arch, make_tiny.trained_tokenizer(), seed=0, out=str(folder))
     data = write_rows(tmp_path / "rl.parquet", rl_rows(4))
     gradients = {}
-    for name, (nproc, micro, packed) in {"dp1-micro8-packed": (1, 8, "true"), "dp2-micro1-padded": (2, 1, "false"),
-                                         "dp2-defaults": (2, "default", "true")}.items():
+    for name, (nproc, micro, packed, sp) in {"dp1-micro8-packed": (1, 8, "true", 1), "dp2-micro1-padded": (2, 1, "false", 1),
+                                             "dp2-defaults": (2, "default", "true", 1), "sp2-micro3-packed": (2, 3, "true", 2)}.items():
         out = str(tmp_path / f"{name}.pt")
-        torchrun(nproc, "tests.checks.vision_check", [str(folder), data, out, str(micro), packed])
+        torchrun(nproc, "tests.checks.vision_check", [str(folder), data, out, str(micro), packed, str(sp)])
         gradients[name] = torch.load(out)
     reference = gradients.pop("dp1-micro8-packed")
     assert any(name.startswith("model.visual.") and float(grad.abs().max()) > 0 for name, grad in reference.items())
     for layout, gradient in gradients.items():
         assert relative_gap(gradient, reference) < 2e-5, layout
+
+
+# ---- verl's vision-language examples as written ----------------------------------------------------------------------
+VL_EXAMPLES = {"grpo_trainer/run_qwen2_5_vl_7b_fsdp.sh": "qwen2_5_vl", "grpo_trainer/run_qwen3_vl_8b_fsdp.sh": "qwen3_vl",
+               "grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh": "qwen3_vl_moe", "grpo_trainer/run_glm4_1v_9b_fsdp.sh": "glm4v",
+               "sft/vlm/run_qwen3_vl_2b_fsdp.sh": "qwen3_vl"}
+
+
+def geo3k_rows(count: int) -> list[dict]:
+    """verl's geo3k preprocessing's layout (the VL examples' data): one image a problem, `<image>` first."""
+    return [{**row, "data_source": "hiyouga/geometry3k", "images": row["images"][:1],
+             "prompt": [{"role": "user", "content": "<image>" * len(row["images"][:1]) + "What is 2 + 2? Put the answer in \\boxed{}."}]}
+            for row in rl_rows(count)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", VL_EXAMPLES, ids=lambda s: s.rsplit("/", 1)[-1])
+def test_verls_vision_language_examples_train_a_step(tmp_path, script, capsys):
+    """verl 0.9.0's vision-language examples (Qwen2.5-VL, Qwen3-VL dense and MoE with Ulysses and rollout correction,
+    GLM-4.1V; SFT of Qwen3-VL with Ulysses) as bash computes them, a tiny model of each one's own architecture and
+    data in its layout, on 2 CPU processes with the launcher, paths, model and sizes changed. As written they roll
+    out with vLLM, whose multimodal path needs torchvision (not importable against the CPU torch here): check
+    refuses that by name; with actor_rollout_ref.rollout.name=hf check passes and a step trains."""
+    from launch_arguments import launch_arguments
+
+    from fsdptrain.check import main as check_main
+
+    from test_verl_keys import EXAMPLE_SIZES, SCRIPT_ENV, V09_EXAMPLES, console_steps, sizes_and_paths, with_local
+
+    folder, out = tmp_path / "model", str(tmp_path / "run")
+    make_tiny.tiny_vision_language(VL_EXAMPLES[script], make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = tmp_path / "data"
+    data.mkdir()
+    if script.startswith("sft/"):
+        paths = {"data.train_files": write_rows(data / "train.parquet", chats() * 4), "data.val_files": write_rows(data / "val.parquet", chats()),
+                 "model.path": folder, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 2, "data.max_length": 512,
+                 "data.max_token_len_per_gpu": 1024, "trainer.total_training_steps": 1, "trainer.device": "cpu", "trainer.logger": "[console]",
+                 "trainer.default_local_dir": out}
+        _, args = launch_arguments(V09_EXAMPLES / script, "2", out, env=SCRIPT_ENV)
+        args = with_local(args, paths)
+        assert check_main(["sft", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0
+        result = torchrun(2, "fsdptrain.sft_trainer", args)
+        assert [int(step) for step, _ in console_steps(result.stdout)] == [1], result.stdout[-3000:]
+        return
+    write_rows(data / "rl_train.parquet", geo3k_rows(8))
+    write_rows(data / "rl_val.parquet", geo3k_rows(4))
+    _, args = launch_arguments(V09_EXAMPLES / script, env=SCRIPT_ENV)
+    args = with_local(args, {**sizes_and_paths(str(folder), data, out), **EXAMPLE_SIZES, "trainer.total_training_steps": 1, "trainer.test_freq": 1,
+                             "data.max_prompt_length": 256, "actor_rollout_ref.actor.fsdp_config.fsdp_size": -1,
+                             "actor_rollout_ref.ref.fsdp_config.fsdp_size": -1})
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 1
+    assert "its images do not reach actor_rollout_ref.rollout.name=vllm" in capsys.readouterr().err
+    args = with_local(args, {"actor_rollout_ref.rollout.name": "hf"})
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 0
+    result = torchrun(2, "fsdptrain.grpo_trainer", args)
+    lines = [(step, line) for step, line in console_steps(result.stdout) if step != "0"]  # step 0: validation before training
+    assert [int(step) for step, _ in lines] == [1], result.stdout[-3000:]
+    assert "critic/score/mean" in lines[0][1] and "actor/pg_loss" in lines[0][1]

@@ -230,8 +230,9 @@ def _to(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, tor
 
 
 def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, parallel: Parallel, share_prefixes: bool = False) -> MicroBatch:
-    """A micro-batch on this rank's device: with sequence parallelism, its slice of the packed row (prompts are
-    shared only without it: a slice's targets would need hidden states from other slices)."""
+    """A micro-batch on this rank's device: with sequence parallelism, its slice of the packed row's targets and of
+    the row itself (a vision-language model's row whole, see below; prompts are shared only without it: a slice's
+    targets would need hidden states from other slices)."""
     if not packed:
         batch = collate_padded(micro_batch, pad_token_id)
         return MicroBatch(_to(batch.inputs, parallel.device), _to(batch.targets, parallel.device))
@@ -241,7 +242,11 @@ def collate(micro_batch: Sequence[Sample], packed: bool, pad_token_id: int, para
     row = {"input_ids": batch.inputs["input_ids"], "position_ids": batch.inputs["position_ids"]}
     targets = batch.targets
     if parallel.sp_size > 1:
-        row, targets = (shard_sequence(t, parallel.sp_rank, parallel.sp_size) for t in (row, targets))
+        targets = shard_sequence(targets, parallel.sp_rank, parallel.sp_size)
+        # a vision-language model's row (3-D positions) goes whole: its images join the embeddings by their places in
+        # the whole row, and its decoder then keeps this rank's share (models/vision.py)
+        if row["position_ids"].dim() == 2:
+            row = shard_sequence(row, parallel.sp_rank, parallel.sp_size)
     inputs = {**_to(row, parallel.device),
               **{k: v.to(parallel.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in boundaries.items()}}
     token_rows = None if batch.token_rows is None else batch.token_rows.to(parallel.device, non_blocking=True)

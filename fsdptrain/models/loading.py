@@ -36,7 +36,8 @@ from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matr
 from fsdptrain.models.architecture import Architecture, keep_sequences_apart, padded_attention, read_architecture
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.lora import add_adapters
-from fsdptrain.models.vision import attention_setting, check_supported, is_vision_language, model_class, run_tower_on_every_forward, vision_tower
+from fsdptrain.models.vision import (attention_setting, check_supported, is_vision_language, keep_share_of_row, model_class,
+                                     run_tower_on_every_forward, vision_tower)
 
 log = logging.getLogger("fsdptrain")
 
@@ -49,9 +50,6 @@ def load_model_config(path: str, path_key: str, config: ModelConfig, sp_size: in
     check_supported(hf_config, path_key, path)
     if getattr(config, "freeze_vision_tower", False) and not is_vision_language(hf_config):
         raise ConfigError(f"freeze_vision_tower=true, but {path_key}={path!r} ({hf_config.model_type}) has no vision tower")
-    if is_vision_language(hf_config) and sp_size > 1:
-        raise ConfigError(f"{path_key}={path!r} is a vision-language model ({hf_config.model_type}): Ulysses sequence parallelism with its "
-                          "images is not built; set ulysses_sequence_parallel_size=1")
     if hf_config.get_text_config().num_attention_heads % sp_size:
         raise ConfigError(
             f"ulysses_sequence_parallel_size ({sp_size}) must divide the model's num_attention_heads "
@@ -207,6 +205,7 @@ def build_model(
     apply_fsdp(model, parallel.sharding_mesh(fsdp.fsdp_size), fsdp, parallel.device)
     if is_vision_language(hf_config):
         run_tower_on_every_forward(model)
+        keep_share_of_row(model)
     model.to_empty(device="cpu" if fsdp.cpu_offload else parallel.device)
 
     pretrained = load_pretrained(path, config, hf_config, dtype, auto_class, lora, seed, added) if parallel.is_main else None

@@ -17,6 +17,7 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
@@ -92,6 +93,30 @@ def run_tower_on_every_forward(model: nn.Module) -> None:
     side = 2 * vision.spatial_merge_size
     model.get_submodule("model").register_forward_pre_hook(partial(_note_images, seen), with_kwargs=True)
     model.get_input_embeddings().register_forward_hook(partial(_blank_image, seen, tower, channels, side))
+
+
+def keep_share_of_row(model: nn.Module) -> None:
+    """Under Ulysses, let a vision-language model take a packed row whole and its text decoder keep this rank's
+    share of it: the images' features are merged into the token embeddings by the positions of their image tokens
+    in the whole row, and then the embeddings, the 3-D positions and Qwen3-VL's deepstack features (added to the
+    visual positions' hidden states in the first layers) are cut to this rank's slice. A row that comes cut already
+    (a text row) is left as it is."""
+    model.get_submodule("model.language_model").register_forward_pre_hook(_share_of_row, with_kwargs=True)
+
+
+def _share_of_row(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    group, embeddings, boundaries = kwargs.get("sp_group"), kwargs.get("inputs_embeds"), kwargs.get("cu_seq_lens_q")
+    if group is None or embeddings is None or boundaries is None or embeddings.shape[1] != int(boundaries[-1]):
+        return None
+    width = embeddings.shape[1] // dist.get_world_size(group)
+    low, high = dist.get_rank(group) * width, (dist.get_rank(group) + 1) * width
+    kwargs = {**kwargs, "inputs_embeds": embeddings[:, low:high], "position_ids": kwargs["position_ids"][..., low:high]}
+    visual = kwargs.get("visual_pos_masks")
+    if visual is not None:  # deepstack's features are in the order of the visual positions: this slice's are a run of them
+        first, last = int(visual[:, :low].sum()), int(visual[:, :high].sum())
+        kwargs["visual_pos_masks"] = visual[:, low:high]
+        kwargs["deepstack_visual_embeds"] = [features[first:last] for features in kwargs["deepstack_visual_embeds"]]
+    return args, kwargs
 
 
 def _note_images(seen: SimpleNamespace, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -28,6 +28,7 @@ VERIFIERS: Registry[RewardFn] = Registry("built-in verifier")
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "arithmetic")
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
+GEO3K_SOURCES = ("hiyouga/geometry3k",)  # the vision-language examples' data (verl's geo3k preprocessing)
 
 
 class RewardError(UserError, RuntimeError):
@@ -87,6 +88,14 @@ def normalize_math(answer: str) -> str:
     return text
 
 
+def geo3k_score(solution: str, ground_truth: str, format_score: float = 0.1) -> float:
+    """verl's geo3k rule: 0.9 for the last `\\boxed{}` answer, 0.1 for the `<think>...</think>...\\boxed{...}`
+    format. The answer is compared as math_score compares it (verl grades with mathruler, which also takes
+    equivalent expressions)."""
+    form = re.fullmatch(r"<think>.*</think>.*\\boxed\{.*\}.*", solution, flags=re.DOTALL) is not None
+    return (1.0 - format_score) * math_score(solution, ground_truth) + format_score * float(form)
+
+
 def math_score(solution: str, ground_truth: str) -> float:
     answer = last_boxed(solution)
     if answer is None:
@@ -100,10 +109,12 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     """verl's default choice of rule by data source: GSM8K-style `#### answer` (strict), MATH-style `\\boxed{}`."""
     if data_source in GSM8K_SOURCES:
         return gsm8k_score(solution_str, ground_truth)
+    if data_source in GEO3K_SOURCES:
+        return geo3k_score(solution_str, ground_truth)
     if data_source in MATH_SOURCES or "math" in data_source.lower():
         return math_score(solution_str, ground_truth)
     raise RewardError(
-        f"no built-in reward for data_source {data_source!r} (built in: {', '.join(GSM8K_SOURCES + MATH_SOURCES)}); "
+        f"no built-in reward for data_source {data_source!r} (built in: {', '.join(GSM8K_SOURCES + GEO3K_SOURCES + MATH_SOURCES)}); "
         "give custom_reward_function.path and .name"
     )
 

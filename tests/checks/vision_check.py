@@ -2,7 +2,7 @@
 groups' prompts with images and without (read from DATA as the trainer reads them), written by rank 0 to OUT so
 that layouts (ranks, micro-batch size, packing, shared prompts) can be compared.
 
-    python -m torch.distributed.run --nproc_per_node=N -m tests.checks.vision_check MODEL_DIR DATA OUT MICRO PACKED
+    python -m torch.distributed.run --nproc_per_node=N -m tests.checks.vision_check MODEL_DIR DATA OUT MICRO PACKED SP
 """
 
 import sys
@@ -26,16 +26,16 @@ from fsdptrain.trainer.setup import build_sharded_model, end_run, start_run
 
 
 def main() -> None:
-    model_dir, data, out, micro, packed = sys.argv[1:6]
+    model_dir, data, out, micro, packed, sp = sys.argv[1:7]
     layout = [] if micro == "default" else [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.use_dynamic_bsz=false"]
     with initialize_config_module(config_module="fsdptrain.config", version_base=None):
         config = load_grpo_config(compose(config_name="grpo_trainer", overrides=[
             "data.train_files=unused.parquet", f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
             "actor_rollout_ref.model.enable_gradient_checkpointing=false", f"actor_rollout_ref.model.use_remove_padding={packed}", *layout,
-            "actor_rollout_ref.model.chunked_loss_tokens=16", "data.max_response_length=12", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"]))
-    parallel = start_run(config.trainer, sp_size=1)
+            "actor_rollout_ref.model.chunked_loss_tokens=16", f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}", "data.max_response_length=12", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"]))
+    parallel = start_run(config.trainer, sp_size=int(sp))
     model_config = config.actor_rollout_ref.model
-    hf_config = load_model_config(model_dir, "model", model_config, 1)
+    hf_config = load_model_config(model_dir, "model", model_config, parallel.sp_size)
     plan = fit_to_architecture(plan_grpo(config, world_from_environment("cpu"), pad_id=0), read_architecture(hf_config))
     model = build_sharded_model(model_dir, model_config, config.actor_rollout_ref.actor.fsdp_config, hf_config, config.trainer, parallel,
                                 packed == "true", trainable=True)

@@ -93,12 +93,11 @@ class RolloutEngine(Protocol):
     group: dist.ProcessGroup | None  # the ranks that share this engine and call it together (None: this rank alone)
 
     def generate(self, prompts: Sequence[list[int]], *, n: int, max_new_tokens: int, batch_size: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False,
-                 images: Sequence[Images | None] | None = None) -> list[Generation]:
+                 top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False) -> list[Generation]:
         """`n` responses to each prompt, n in a row; `batch_size` sequences a forward where the engine batches by
-        count; with `calculate_log_probs` each response's sampling log-probs; a vision-language model's `images`
-        of each prompt (None for a text prompt), from an engine that declares EngineInfo.images. With tensor
-        parallelism every rank of the engine calls it, each with its own prompts (or none)."""
+        count; with `calculate_log_probs` each response's sampling log-probs. With tensor parallelism every rank
+        of the engine calls it, each with its own prompts (or none). An engine that declares EngineInfo.images
+        also takes `images=`: a vision-language model's images of each prompt (None for a text prompt)."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -167,7 +166,7 @@ class EngineInfo:
     package: str | None = None  # the optional package it imports (config.base.PACKAGES), checked before any work
     own_world: bool = False  # builds itself over its process's torch.distributed world: a standalone rollout rank runs it in a process of its own
     check_architecture: Callable[[str, "EngineSpec"], None] = no_architecture_check  # a model type it cannot run right as specified (ConfigError)
-    images: bool = False  # takes a vision-language model's prompt images
+    images: bool = False  # its generate takes a vision-language model's prompt images (`images=`, one a prompt)
 
 
 def engine_settings(info: EngineInfo, values: Mapping[str, Any]) -> Any:
