@@ -36,8 +36,15 @@ from fsdptrain.models.added_tokens import AddedTokens, freeze_all_but_token_matr
 from fsdptrain.models.architecture import Architecture, keep_sequences_apart, padded_attention, read_architecture
 from fsdptrain.models.attention import PACKED_ATTENTION
 from fsdptrain.models.lora import add_adapters
-from fsdptrain.models.vision import (attention_setting, check_supported, is_vision_language, keep_share_of_row, model_class,
-                                     run_tower_on_every_forward, vision_tower)
+from fsdptrain.models.vision import (
+    attention_setting,
+    check_supported,
+    is_vision_language,
+    keep_share_of_row,
+    model_class,
+    run_tower_on_every_forward,
+    vision_tower,
+)
 
 log = logging.getLogger("fsdptrain")
 
