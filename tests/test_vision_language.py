@@ -298,7 +298,9 @@ def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactl
     common = dict(data__max_prompt_length=256, actor_rollout_ref__model__fsdp_config__model_dtype="fp32", actor_rollout_ref__actor__use_kl_loss="true",
                   trainer__save_freq=1, trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, straight, **common))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, straight, **common, trainer__rollout_data_dir=f"{straight}/rollouts"))
+    dumped = [json.loads(line) for line in open(f"{straight}/rollouts/1.jsonl")]
+    assert len(dumped) == 16 and sum("image_grid_thw" in row for row in dumped) == 12  # every fourth prompt is text only
     metrics = read_metrics(straight)
     assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["prompt_length/max"] > 30  # image tokens in the prompts
     assert "val-core/shapes/acc/mean@1" in metrics[-1] or any(k.startswith("val-core/") for k in metrics[-1])
@@ -313,7 +315,9 @@ def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactl
 def test_a_response_that_draws_an_image_token_ends_before_it(tmp_path):
     """An image token in a response would be taken for an image's place by every later forward: the hf engine ends
     the response before it (cut short), its tokens before it as drawn."""
+    from fsdptrain.rl.advantages import outcome_rewards
     from fsdptrain.rl.rollout.hf import HFRollout
+    from fsdptrain.rl.samples import make_samples
 
     folder = tmp_path / "model"
     make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
@@ -328,6 +332,14 @@ def test_a_response_that_draws_an_image_token_ends_before_it(tmp_path):
     cut = engine.generate(prompts, n=2, max_new_tokens=12, batch_size=4)
     assert cut[row].response_ids == free[row].response_ids[:place] and cut[row].truncated
     assert all(engine.placeholder_ids[0] not in g.response_ids for g in cut)
+    # drawn first: an empty response, cut short, which trains nothing and whose score lands on no token
+    engine.placeholder_ids = [free[0].response_ids[0]]
+    torch.manual_seed(0)
+    empty = engine.generate(prompts, n=2, max_new_tokens=12, batch_size=4)[0]
+    assert empty.response_ids == [] and empty.truncated
+    (sample,) = make_samples([empty], mask_truncated=False)
+    assert sample.input_ids.tolist() == prompts[0] and int(sample.loss_mask.sum()) == 0
+    assert outcome_rewards(torch.tensor([1.0]), [empty])[0].numel() == 0
 
 
 @pytest.mark.slow
@@ -409,3 +421,18 @@ def test_verls_vision_language_examples_train_a_step(tmp_path, script, capsys):
     lines = [(step, line) for step, line in console_steps(result.stdout) if step != "0"]  # step 0: validation before training
     assert [int(step) for step, _ in lines] == [1], result.stdout[-3000:]
     assert "critic/score/mean" in lines[0][1] and "actor/pg_loss" in lines[0][1]
+
+
+def test_the_evaluation_reads_a_vision_language_models_images(tmp_path, capsys):
+    """`python -m fsdptrain.evaluate` on a vision-language folder and RL rows with images (the hf backend); vLLM
+    refused by name."""
+    from fsdptrain.evaluate import main as evaluate_main
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = write_rows(tmp_path / "rl.parquet", geo3k_rows(4))
+    evaluate_main([str(folder), data, "--max-new-tokens", "4", "--out", str(tmp_path / "out.jsonl")])
+    records = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
+    assert len(records) == 4 and "hiyouga/geometry3k" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="vision-language model .* on one turn of the hf backend"):
+        evaluate_main([str(folder), data, "--backend", "vllm"])

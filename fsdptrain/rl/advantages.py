@@ -32,12 +32,14 @@ class AdvantageSettings:
 
 
 def outcome_rewards(scores: torch.Tensor, generations: Sequence[Generation]) -> list[torch.Tensor]:
-    """Per-response-token rewards: each response's score on its last produced token."""
+    """Per-response-token rewards: each response's score on its last produced token (none where the policy produced
+    none: a vision-language model's response that began with an image token, which the rollout leaves out)."""
     rewards = []
     for value, generation in zip(scores, generations):
         mask = generation.mask
         reward = torch.zeros_like(mask)
-        reward[int(mask.nonzero().max())] = value
+        if mask.any():
+            reward[int(mask.nonzero().max())] = value
         rewards.append(reward)
     return rewards
 

@@ -110,11 +110,12 @@ def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], group_id
     """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage, the prompt
     batch it was drawn in and the oldest policy version that generated it (`origins`, by group; with partial
     rollouts each token's, `token_versions`), and the token ids that were trained on (response_mask 1); a multi-turn trajectory's turns, each marked `trained` or not, with its
-    counts (rank 0 writes)."""
+    counts; a vision-language model's prompt images as their patch grids (`image_grid_thw`; rank 0 writes)."""
     rows = [{"prompt": prompts[group].messages, "ground_truth": prompts[group].ground_truth, "data_source": prompts[group].data_source,
              **s, "advantage": a, "batch": origins[group][0], "policy_version": origins[group][1],
              "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
              **({} if g.versions is None else {"token_versions": g.versions}),
+             **({} if g.images is None else {"image_grid_thw": g.images.inputs["image_grid_thw"].tolist()}),
              **({} if g.trace is None else {"turns": g.trace.messages, "trace": {k: v for k, v in vars(g.trace).items() if k != "messages"}})}
             for group, s, g, a in zip(group_ids, scored, generations, advantages)]
     every_row = gather_lists(rows, parallel.dp_group)
