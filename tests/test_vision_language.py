@@ -436,3 +436,28 @@ def test_the_evaluation_reads_a_vision_language_models_images(tmp_path, capsys):
     assert len(records) == 4 and "hiyouga/geometry3k" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="vision-language model .* on one turn of the hf backend"):
         evaluate_main([str(folder), data, "--backend", "vllm"])
+
+
+def test_the_shape_data_is_verls_layout_and_its_reward_reads_the_first_colour(tmp_path):
+    """scripts/make_shape_data.py: SFT and RL files a vision-language model reads, answers only in the image, test
+    images not among the training ones, and its reward function."""
+    import subprocess
+    import sys
+
+    from fsdptrain.rl.data import load_prompts
+    from fsdptrain.rl.rewards import load_reward_function
+
+    subprocess.run([sys.executable, "scripts/make_shape_data.py", str(tmp_path / "data"), "--train", "12", "--test", "6"], check=True,
+                   capture_output=True, cwd=Path(__file__).resolve().parents[1])
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    samples = sft_data(str(folder), tmp_path / "data" / "sft_train.parquet")
+    assert len(samples) == 12 and all(s.images is not None for s in samples)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reader = image_reader(str(folder), "model", "images", tokenizer, AutoConfig.from_pretrained(folder), False)
+    train, test = (load_prompts([str(tmp_path / "data" / f"{name}.parquet")], tokenizer, images=reader) for name in ("rl_train", "rl_test"))
+    assert len(train) == 12 and len(test) == 6
+    train_pixels = [p.images.inputs["pixel_values"] for p in train]
+    assert not any(torch.equal(p.images.inputs["pixel_values"], q) for p in test for q in train_pixels)
+    score = load_reward_function(str(tmp_path / "data" / "reward.py"), None)
+    assert score("shape_colour", "red, or blue", "red", None)["acc"] == 1.0 and score("shape_colour", "blue red", "red", None)["acc"] == 0.0

@@ -106,15 +106,21 @@ def nested(value, keys: Sequence[str], column: str):
     return value
 
 
-def tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns: dict, row: int) -> list[tuple]:
-    """(ids, mask) of each sample a row makes: one, or with multiturn.split_turns one per assistant turn."""
+def row_values(columns: dict[str, list], row: int) -> dict:
+    """One row's value of each column."""
+    return {name: values[row] for name, values in columns.items()}
+
+
+def tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, row: dict) -> list[tuple]:
+    """(ids, mask) of each sample a row (its columns' values) makes: one, or with multiturn.split_turns one per
+    assistant turn."""
     kwargs = config.apply_chat_template_kwargs
     if not config.multiturn.enable:
-        prompt = nested(columns[config.prompt_key][row], config.prompt_dict_keys, f"data.prompt_key={config.prompt_key}")
-        response = nested(columns[config.response_key][row], config.response_dict_keys, f"data.response_key={config.response_key}")
+        prompt = nested(row[config.prompt_key], config.prompt_dict_keys, f"data.prompt_key={config.prompt_key}")
+        response = nested(row[config.response_key], config.response_dict_keys, f"data.response_key={config.response_key}")
         return [tokenize_prompt_response(tokenizer, prompt, response, kwargs)]
-    tools = columns[config.multiturn.tools_key][row] if config.multiturn.tools_key in columns else None
-    messages = columns[config.multiturn.messages_key][row]
+    tools = row.get(config.multiturn.tools_key)
+    messages = row[config.multiturn.messages_key]
     if not config.multiturn.split_turns:
         return [tokenize_conversation(tokenizer, messages, tools, kwargs)]
     messages = normalize_messages(messages)
@@ -122,38 +128,34 @@ def tokenize_row(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns
     return [tokenize_conversation(tokenizer, messages[:end], tools, kwargs, only_last_turn=True) for end in ends]
 
 
-def row_texts(config: DataConfig, columns: dict, row: int) -> list[str]:
+def row_texts(config: DataConfig, row: dict) -> list[str]:
     """The texts of a row that may mark its images: the prompt and response, or each message's content."""
     if not config.multiturn.enable:
-        return [nested(columns[key][row], keys, f"data.{name}={key}") for name, key, keys in
-                (("prompt_key", config.prompt_key, config.prompt_dict_keys), ("response_key", config.response_key, config.response_dict_keys))]
-    messages = columns[config.multiturn.messages_key][row]
-    return [m["content"] for m in messages or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        return [nested(row[config.prompt_key], config.prompt_dict_keys, f"data.prompt_key={config.prompt_key}"),
+                nested(row[config.response_key], config.response_dict_keys, f"data.response_key={config.response_key}")]
+    return [m["content"] for m in row[config.multiturn.messages_key] or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]
 
 
-def with_images_marked(config: DataConfig, columns: dict, row: int, reader: ImageReader) -> dict:
-    """The row's text columns with each `<image>` written as the model's chat template writes an image."""
+def with_images_marked(config: DataConfig, row: dict, reader: ImageReader) -> dict:
+    """The row with each `<image>` of its texts written as the model's chat template writes an image."""
     if not config.multiturn.enable:
         if config.prompt_dict_keys or config.response_dict_keys:
             raise RowError("images with data.prompt_dict_keys / response_dict_keys are not read: put the text in the columns themselves")
-        return {**columns, config.prompt_key: {row: reader.mark(columns[config.prompt_key][row])},
-                config.response_key: {row: reader.mark(columns[config.response_key][row])}}
+        return {**row, config.prompt_key: reader.mark(row[config.prompt_key]), config.response_key: reader.mark(row[config.response_key])}
     messages = [{**m, "content": reader.mark(m["content"])} if isinstance(m, dict) and isinstance(m.get("content"), str) else m
-                for m in columns[config.multiturn.messages_key][row]]
-    return {**columns, config.multiturn.messages_key: {row: messages}}
+                for m in row[config.multiturn.messages_key]]
+    return {**row, config.multiturn.messages_key: messages}
 
 
-def make_samples(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns: dict, row: int, reader: ImageReader | None) -> list[Sample]:
+def row_samples(tokenizer: PreTrainedTokenizerBase, config: DataConfig, row: dict, reader: ImageReader | None) -> list[Sample]:
     """The samples of one row, truncated; with a vision-language model's `reader`, with the row's images."""
-    images = None
-    if reader is not None:
-        images = reader.read(columns[reader.key][row] if reader.key in columns else None, row_texts(config, columns, row))
+    images = reader.read(row.get(reader.key), row_texts(config, row)) if reader is not None else None
     if images is None:
-        made = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, columns, row)]
+        made = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, row)]
         return [sample_of(ids, mask, None, reader) for ids, mask in made]
     if config.multiturn.enable and config.multiturn.split_turns:
         raise RowError("data.multiturn.split_turns does not take a row with images: each turn's sample would need the images before it")
-    (ids, mask), = tokenize_row(tokenizer, config, with_images_marked(config, columns, row, reader), row)
+    (ids, mask), = tokenize_row(tokenizer, config, with_images_marked(config, row, reader))
     ids, mask = reader.expand(ids, mask, images)
     if len(ids) > config.max_length:
         raise RowError(f"{len(ids)} tokens with its images exceed data.max_length={config.max_length} (a sample with images is never "
@@ -162,6 +164,7 @@ def make_samples(tokenizer: PreTrainedTokenizerBase, config: DataConfig, columns
 
 
 def sample_of(ids: list[int], mask: list[int], images: dict[str, torch.Tensor] | None, reader: ImageReader | None) -> Sample:
+    """A sample of its ids and mask; a vision-language model's (`reader`) with its images and 3-D positions."""
     input_ids = torch.tensor(ids, dtype=torch.long)
     positions = None if reader is None else reader.tokens.positions(input_ids, None if images is None else images["image_grid_thw"])
     return Sample(input_ids, torch.tensor(mask, dtype=torch.long), images=images, positions=positions)
@@ -176,7 +179,7 @@ def load_sft_samples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase, c
         columns = read_data_columns(path, config, images.key if images is not None else None)
         for row in range(len(next(iter(columns.values())))):
             try:
-                made = make_samples(tokenizer, config, columns, row, images)
+                made = row_samples(tokenizer, config, row_values(columns, row), images)
             except RowError as e:
                 if not config.skip_bad_rows:
                     raise DataError(f"{path} row {row}: {e}") from None

@@ -18,7 +18,7 @@ from transformers import AutoImageProcessor, PretrainedConfig, PreTrainedTokeniz
 
 from fsdptrain.data.chat import RowError
 from fsdptrain.errors import ConfigError
-from fsdptrain.models.vision import ImageTokens, image_tokens
+from fsdptrain.models.vision import IMAGE_INPUTS, ImageTokens, image_tokens
 
 IMAGE_MARK = "<image>"
 
@@ -32,7 +32,7 @@ class Images:
     positions: torch.Tensor
 
     def positions_through(self, length: int) -> torch.Tensor:
-        """(3, length) positions of the prompt continued by `length` - its length tokens of text: each one past the
+        """(3, length) positions of the prompt followed by text up to `length` tokens: each text token one past the
         largest position before it, on all three axes."""
         extra = length - self.positions.shape[1]
         return torch.cat([self.positions, (self.positions.max() + 1 + torch.arange(extra)).expand(3, -1)], dim=1)
@@ -60,7 +60,7 @@ class ImageReader:
             inputs = self.processor(images=images, return_tensors="pt")
         except Exception as e:  # the processors raise several types for an image they cannot use
             raise RowError(f"column {self.key!r}: the image processor cannot use the images: {e}") from None
-        return {name: inputs[name] for name in ("pixel_values", "image_grid_thw")}
+        return {name: inputs[name] for name in IMAGE_INPUTS}
 
     def expand(self, ids: list[int], mask: list[int], images: dict[str, torch.Tensor] | None) -> tuple[list[int], list[int]]:
         """Each image token of a tokenized sample repeated to its image's token count (never a target)."""

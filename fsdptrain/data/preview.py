@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from fsdptrain.config.base import defaults, to_typed
 from fsdptrain.config.sft import DataConfig, validate_data
 from fsdptrain.data.chat import RowError
-from fsdptrain.data.dataset import read_data_columns, tokenize_row, truncate
+from fsdptrain.data.dataset import read_data_columns, row_values, tokenize_row, truncate
 from fsdptrain.errors import ConfigError
 
 GREEN, RESET = "\033[42;30m", "\033[0m"
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         if not 0 <= row < count:
             raise SystemExit(f"{args.file} has rows 0..{count - 1}, not {row}")
         try:
-            samples = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, columns, row)]
+            samples = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, row_values(columns, row))]
         except RowError as e:
             raise SystemExit(f"{args.file} row {row}: {e}") from None
         for part, (ids, mask) in enumerate(samples):
