@@ -29,7 +29,6 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from fsdptrain.data.images import image_reader
 from fsdptrain.dtypes import DTYPES, compute_dtype, warn_if_emulated
-from fsdptrain.models.vision import is_vision_language
 from fsdptrain.rl.agent.loop import AGENT_LOOPS, LoopContext, MultiTurnSettings
 from fsdptrain.rl.agent.tools import load_tools, tool_schemas
 from fsdptrain.rl.data import load_prompts
@@ -105,12 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     template_kwargs = yaml.safe_load(keys["data.apply_chat_template_kwargs"]) or {}
     tools = load_tools(args.tool_config, "--tool-config") if args.tool_config else {}
-    images = None
-    if is_vision_language(config := AutoConfig.from_pretrained(args.model_dir)):
-        if not ROLLOUT_ENGINES.info[args.backend].images or tools or args.beams is not None:
-            raise SystemExit(f"{args.model_dir} is a vision-language model ({config.model_type}): its images are read on one turn of the "
-                             f"{', '.join(ROLLOUT_ENGINES.names(images=True))} backend, without --tool-config or --beams")
-        images = image_reader(args.model_dir, "MODEL_DIR", "images", tokenizer, config, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(args.model_dir)
+    images = image_reader(args.model_dir, "MODEL_DIR", "images", tokenizer, config, trust_remote_code=False)
+    if images is not None and (not ROLLOUT_ENGINES.info[args.backend].images or tools or args.beams is not None):
+        raise SystemExit(f"{args.model_dir} is a vision-language model ({config.model_type}): its images are read on one turn of the "
+                         f"{', '.join(ROLLOUT_ENGINES.names(images=True))} backend, without --tool-config or --beams")
     prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools), images)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warn_if_emulated(args.dtype, "--dtype", device)

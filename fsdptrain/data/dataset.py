@@ -32,7 +32,7 @@ class Sample:
     # the same ones; 0: none.
     shared_prefix: int = 0
     # A vision-language model's inputs of the sample's images (data/images.py), and its (3, length) rotary positions
-    # (models/vision.py); None for a text sample.
+    # (models/vision.py); None for a text sample (its positions are the plain ones).
     images: dict[str, torch.Tensor] | None = None
     positions: torch.Tensor | None = None
 
@@ -152,7 +152,7 @@ def row_samples(tokenizer: PreTrainedTokenizerBase, config: DataConfig, row: dic
     images = reader.read(row.get(reader.key), row_texts(config, row)) if reader is not None else None
     if images is None:
         made = [truncate(ids, mask, config.max_length, config.truncation) for ids, mask in tokenize_row(tokenizer, config, row)]
-        return [sample_of(ids, mask, None, reader) for ids, mask in made]
+        return [Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)) for ids, mask in made]
     if config.multiturn.enable and config.multiturn.split_turns:
         raise RowError("data.multiturn.split_turns does not take a row with images: each turn's sample would need the images before it")
     (ids, mask), = tokenize_row(tokenizer, config, with_images_marked(config, row, reader))
@@ -160,14 +160,8 @@ def row_samples(tokenizer: PreTrainedTokenizerBase, config: DataConfig, row: dic
     if len(ids) > config.max_length:
         raise RowError(f"{len(ids)} tokens with its images exceed data.max_length={config.max_length} (a sample with images is never "
                        "truncated: a cut image would not match its patches)")
-    return [sample_of(ids, mask, images, reader)]
-
-
-def sample_of(ids: list[int], mask: list[int], images: dict[str, torch.Tensor] | None, reader: ImageReader | None) -> Sample:
-    """A sample of its ids and mask; a vision-language model's (`reader`) with its images and 3-D positions."""
     input_ids = torch.tensor(ids, dtype=torch.long)
-    positions = None if reader is None else reader.tokens.positions(input_ids, None if images is None else images["image_grid_thw"])
-    return Sample(input_ids, torch.tensor(mask, dtype=torch.long), images=images, positions=positions)
+    return [Sample(input_ids, torch.tensor(mask, dtype=torch.long), images=images, positions=reader.tokens.positions(input_ids, images["image_grid_thw"]))]
 
 
 def load_sft_samples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase, config: DataConfig, images: ImageReader | None = None) -> list[Sample]:

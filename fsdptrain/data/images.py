@@ -18,7 +18,7 @@ from transformers import AutoImageProcessor, PretrainedConfig, PreTrainedTokeniz
 
 from fsdptrain.data.chat import RowError
 from fsdptrain.errors import ConfigError
-from fsdptrain.models.vision import IMAGE_INPUTS, ImageTokens, image_tokens
+from fsdptrain.models.vision import IMAGE_INPUTS, ImageTokens, image_tokens, is_vision_language
 
 IMAGE_MARK = "<image>"
 
@@ -111,8 +111,11 @@ def load_image_processor(path: str, trust_remote_code: bool):
 
 
 def image_reader(path: str, path_key: str, key: str, tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig,
-                 trust_remote_code: bool) -> ImageReader:
-    """The reader of a vision-language model's folder, or an error naming what the folder lacks."""
+                 trust_remote_code: bool) -> ImageReader | None:
+    """The reader of a vision-language model's folder (None for a text model's), or an error naming what the folder
+    lacks."""
+    if not is_vision_language(hf_config):
+        return None
     processor = load_image_processor(path, trust_remote_code)
     if processor is None:
         raise ConfigError(f"{path_key}={path!r} is a vision-language model without its image processor (no preprocessor_config.json)")

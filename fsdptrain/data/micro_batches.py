@@ -171,7 +171,7 @@ def packed_image_inputs(samples: Sequence[Sample], share_prefixes: bool, pad: in
     group's images are its prompt's): they are in the row once."""
     positions, images, prompt = [], [], None
     for sample in samples:
-        own = sample.positions if sample.positions is not None else torch.arange(len(sample)).expand(3, -1)
+        own = rotary_positions(sample)
         if share_prefixes and shares_prompt(sample, prompt):
             positions.append(own[:, sample.shared_prefix :])
             continue
@@ -180,19 +180,25 @@ def packed_image_inputs(samples: Sequence[Sample], share_prefixes: bool, pad: in
         if sample.images is not None:
             images.append(sample.images)
     positions.append(torch.arange(pad).expand(3, -1))
-    inputs = {"position_ids": torch.cat(positions, dim=1)[:, None]}
-    if images:
-        inputs.update({name: torch.cat([image[name] for image in images]) for name in IMAGE_INPUTS})
-    return inputs
+    return {"position_ids": torch.cat(positions, dim=1)[:, None], **joined(images)}
 
 
 def padded_image_inputs(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
     """A vision-language model's padded batch: (3, batch, width) rotary positions and the images in row order."""
     positions = torch.zeros(3, len(samples), width, dtype=torch.long)
     for row, sample in enumerate(samples):
-        positions[:, row, : len(sample)] = sample.positions if sample.positions is not None else torch.arange(len(sample))
-    images = [s.images for s in samples if s.images is not None]
-    return {"position_ids": positions, **({name: torch.cat([image[name] for image in images]) for name in IMAGE_INPUTS} if images else {})}
+        positions[:, row, : len(sample)] = rotary_positions(sample)
+    return {"position_ids": positions, **joined([s.images for s in samples if s.images is not None])}
+
+
+def rotary_positions(sample: Sample) -> torch.Tensor:
+    """A sample's (3, length) positions: its own, or a text sample's plain ones on all three axes."""
+    return sample.positions if sample.positions is not None else torch.arange(len(sample)).expand(3, -1)
+
+
+def joined(images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several samples' image inputs as one forward takes them, in order (none without images)."""
+    return {name: torch.cat([image[name] for image in images]) for name in IMAGE_INPUTS} if images else {}
 
 
 def _cumulative(lengths: list[int]) -> torch.Tensor:

@@ -150,18 +150,18 @@ class ImageTokens:
     image_token_id: int
     merge: int
     rope_model: nn.Module  # the model on the meta device: get_rope_index reads only its config
+    token_types: bool  # its get_rope_index takes mm_token_type_ids (transformers 5)
 
     def count(self, grid_thw: torch.Tensor) -> int:
         """Tokens of an image of patch grid (t, h, w)."""
         return int(grid_thw.prod()) // self.merge**2
 
-    def positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """(3, length) rotary positions of one sample, as the model computes them for it alone."""
-        if image_grid_thw is None:
-            return torch.arange(len(input_ids)).expand(3, -1).clone()
+    def positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """(3, length) rotary positions of one sample with images, as the model computes them for it alone (a text
+        sample's are the plain ones on all three axes, filled in where it is collated)."""
         ids = input_ids[None]
         kwargs = {"image_grid_thw": image_grid_thw}
-        if "mm_token_type_ids" in inspect.signature(self.rope_model.get_rope_index).parameters:  # transformers 5
+        if self.token_types:
             kwargs["mm_token_type_ids"] = (ids == self.image_token_id).int()
         positions, _ = self.rope_model.get_rope_index(ids, **kwargs)
         return positions[:, 0]
@@ -169,6 +169,6 @@ class ImageTokens:
 
 def image_tokens(hf_config: PretrainedConfig) -> ImageTokens:
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(hf_config)
+        model = AutoModelForImageTextToText.from_config(hf_config).model
     return ImageTokens(IMAGE_PLACEHOLDERS[hf_config.model_type], hf_config.image_token_id, hf_config.vision_config.spatial_merge_size,
-                       model.model)
+                       model, "mm_token_type_ids" in inspect.signature(model.get_rope_index).parameters)

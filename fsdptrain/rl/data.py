@@ -47,10 +47,10 @@ def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, tem
         raise RowError(f"data_source must be a non-empty string, got {data_source!r}")
     text = render(tokenizer, [{**m, "content": reader.mark(m["content"])} for m in messages] if images else messages, tools, True, template_kwargs)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if reader is not None:
+    if reader is not None:  # a text prompt is checked for image tokens written in its text
         ids, _ = reader.expand(ids, [0] * len(ids), images)
-        positions = reader.tokens.positions(torch.tensor(ids), images["image_grid_thw"] if images else None)
-        images = Images(images, positions) if images else None
+    if images is not None:
+        images = Images(images, reader.tokens.positions(torch.tensor(ids), images["image_grid_thw"]))
     extra_info = columns["extra_info"][row] if "extra_info" in columns else None
     agent_name = columns["agent_name"][row] if "agent_name" in columns else None
     if agent_name is not None and (not isinstance(agent_name, str) or not agent_name):

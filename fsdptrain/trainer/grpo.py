@@ -30,7 +30,6 @@ from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.architecture import read_architecture
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.lora import adapters_disabled
-from fsdptrain.models.vision import is_vision_language
 from fsdptrain.optim import build_optimizer, build_scheduler
 from fsdptrain.rl import core_algos
 from fsdptrain.rl.actor import PolicyActor, compute_log_probs
@@ -278,9 +277,7 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {plan.sequence_length} exceeds the model's "
                           f"max_position_embeddings ({hf_config.max_position_embeddings})")
     reward_fn = build_reward_function(plan.reward)
-    images = None
-    if is_vision_language(hf_config):
-        images = image_reader(spec.path, "actor_rollout_ref.model.path", data.image_key, tokenizer, hf_config, spec.model.trust_remote_code)
+    images = image_reader(spec.path, "actor_rollout_ref.model.path", data.image_key, tokenizer, hf_config, spec.model.trust_remote_code)
     train, val = (load_rl_prompts(data, plan.default_agent_loop, files, tokenizer, key, tools, interactions, images)
                   for files, key in ((data.train_files, "data.train_files"), (data.val_files, "data.val_files")))
     total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "prompts")

@@ -20,7 +20,6 @@ from fsdptrain.models.added_tokens import AddedTokens, add_model_tokens
 from fsdptrain.models.loading import load_model_config, load_tokenizer
 from fsdptrain.models.loss import token_nll_sum
 from fsdptrain.models.router_balance import RouterBalance, router_balance, sequence_ids, sequence_losses
-from fsdptrain.models.vision import is_vision_language
 from fsdptrain.optim import clipped_step
 from fsdptrain.trainer.best_model import BestModel
 from fsdptrain.trainer.runtime import log, peak_memory_gb
@@ -102,9 +101,7 @@ def read_sft_inputs(plan: SFTPlan) -> SFTInputs:
     hf_config = load_model_config(spec.path, "model.partial_pretrain", spec.model, plan.sp_size)
     tokenizer = load_tokenizer(spec.path, "model.partial_pretrain", spec.model)
     added = add_model_tokens(spec.model, "model", tokenizer, hf_config)
-    images = None
-    if is_vision_language(hf_config):
-        images = image_reader(spec.path, "model.partial_pretrain", data.image_key, tokenizer, hf_config, spec.model.trust_remote_code)
+    images = image_reader(spec.path, "model.partial_pretrain", data.image_key, tokenizer, hf_config, spec.model.trust_remote_code)
     train = load_sft_samples(data.train_files, tokenizer, data, images)
     val = load_sft_samples(data.val_files, tokenizer, data, images) if data.val_files else []
     total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "samples")
