@@ -1,6 +1,6 @@
 """Verifiable arithmetic tasks as SFT and RL parquet files, or a GSM8K-style file converted to both layouts.
 
-    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--seed 0] [--operations plus,minus,times] [--system TEXT]
+    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--reworded 0] [--seed 0] [--operations plus,minus,times] [--system TEXT]
     python scripts/make_arithmetic_data.py OUT_DIR --from-gsm8k train.parquet [test.parquet ...]
 
 Tasks mix addition, subtraction and multiplication of 1- to 3-digit numbers (or those of --operations), with the
@@ -8,7 +8,9 @@ answer after `####`.
 Writes, for each split (train, val, test; or each GSM8K file by its name):
 - sft_{split}.parquet: a `messages` column (user question, assistant worked answer ending `#### n`);
 - rl_{split}.parquet: verl's layout (`prompt`, `data_source`, `reward_model` {ground_truth, style}, `extra_info`).
-No question appears in two splits. GSM8K-style input has `question` and `answer` columns, the answer ending
+With --reworded N, a fourth split, `reworded`: N held-out problems asked in other words than the training
+prompts' (other phrasings of the question and of the instruction, the answer still after `####`), to show that
+what training taught is the arithmetic rather than one phrasing. No problem appears in two splits, whatever its wording. GSM8K-style input has `question` and `answer` columns, the answer ending
 `#### n`; its data_source is openai/gsm8k, so the built-in strict `####` reward scores it.
 With --system every chat starts with that system message: an empty one replaces a chat template's default
 (SmolLM2's is 16 tokens, paid in every prefill, update and evaluation).
@@ -23,21 +25,42 @@ import pyarrow.parquet as pq
 
 INSTRUCTION = "Solve the problem and give the final answer after '####'."
 OPERATIONS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
+SYMBOLS = {"plus": "+", "minus": "-", "times": "*"}
+# the reworded split's phrasings: none shares the training prompts' "What is a plus b?" nor their instruction
+REWORDED_QUESTIONS = {
+    "plus": ["Add {a} and {b}.", "Find the sum of {a} and {b}.", "Compute {a} + {b}.", "How much is {b} added to {a}?",
+             "Calculate {a} plus {b}."],
+    "minus": ["Subtract {b} from {a}.", "Find the difference {a} - {b}.", "Compute {a} - {b}.", "How much is {a} take away {b}?",
+              "Calculate {a} minus {b}."],
+    "times": ["Multiply {a} by {b}.", "Find the product of {a} and {b}.", "Compute {a} * {b}.", "How much is {a} multiplied by {b}?",
+              "Calculate {a} times {b}."],
+}
+REWORDED_INSTRUCTIONS = ["Write the result after '####'.", "End your reply with '####' followed by the number.",
+                         "Show the calculation, then put the final number after '####'."]
 
 
-def arithmetic_task(rng: random.Random, operations: list[str]) -> tuple[str, str, int]:
-    """(question, worked answer ending '#### n', n)."""
+def arithmetic_task(rng: random.Random, operations: list[str]) -> tuple[str, int, int]:
+    """(operation, a, b)."""
     name = rng.choice(operations)
     digits = rng.choice([1, 2, 2, 3]) if name != "times" else rng.choice([1, 2])
     a, b = (rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1) for _ in range(2))
+    return name, a, b
+
+
+def worded(name: str, a: int, b: int, rng: random.Random | None) -> tuple[str, str, str]:
+    """(prompt, worked answer ending '#### n', n): in the training prompts' words, or with `rng` in one of the
+    reworded split's."""
     result = OPERATIONS[name](a, b)
-    symbol = {"plus": "+", "minus": "-", "times": "*"}[name]
-    return f"What is {a} {name} {b}?", f"{a} {symbol} {b} = {result}.\n#### {result}", result
+    if rng is None:
+        prompt = f"What is {a} {name} {b}? {INSTRUCTION}"
+    else:
+        prompt = f"{rng.choice(REWORDED_QUESTIONS[name]).format(a=a, b=b)} {rng.choice(REWORDED_INSTRUCTIONS)}"
+    return prompt, f"{a} {SYMBOLS[name]} {b} = {result}.\n#### {result}", str(result)
 
 
 def layouts(question: str, answer: str, ground_truth: str, data_source: str, split: str, index: int, system: str | None
             ) -> tuple[list, dict]:
-    prompt = [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
+    prompt = [{"role": "user", "content": question}]
     if system is not None:
         prompt.insert(0, {"role": "system", "content": system})
     messages = prompt + [{"role": "assistant", "content": answer}]
@@ -57,10 +80,10 @@ def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str]) -
     for split, size in sizes.items():
         rows = []
         while len(rows) < size:
-            question, answer, result = arithmetic_task(rng, operations)
-            if question not in seen:  # no question in two splits (nor twice in one)
-                seen.add(question)
-                rows.append((question, answer, str(result)))
+            task = arithmetic_task(rng, operations)
+            if task not in seen:  # no problem in two splits (nor twice in one)
+                seen.add(task)
+                rows.append(worded(*task, rng if split == "reworded" else None))
         splits[split] = rows
     return splits
 
@@ -74,7 +97,7 @@ def gsm8k_rows(path: str) -> list[tuple[str, str, str]]:
     for i, (question, answer) in enumerate(zip(table.column("question").to_pylist(), table.column("answer").to_pylist())):
         if not isinstance(answer, str) or "####" not in answer:
             raise SystemExit(f"{path} row {i}: the answer does not end with '#### n'")
-        rows.append((question, answer, answer.split("####")[-1].strip().replace(",", "")))
+        rows.append((f"{question} {INSTRUCTION}", answer, answer.split("####")[-1].strip().replace(",", "")))
     return rows
 
 
@@ -84,6 +107,7 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=2000)
     parser.add_argument("--val", type=int, default=200)
     parser.add_argument("--test", type=int, default=500)
+    parser.add_argument("--reworded", type=int, default=0, help="held-out problems in other words (rl_reworded.parquet)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--operations", default="plus,minus,times", help="comma-separated, of: " + ", ".join(OPERATIONS))
     parser.add_argument("--system", help="a system message starting every chat (default: none, the chat template's own)")
@@ -99,7 +123,8 @@ def main() -> None:
             split = os.path.splitext(os.path.basename(path))[0]
             write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k", args.system)
     else:
-        for split, rows in arithmetic_splits({"train": args.train, "val": args.val, "test": args.test}, args.seed, operations).items():
+        sizes = {"train": args.train, "val": args.val, "test": args.test, "reworded": args.reworded}
+        for split, rows in arithmetic_splits({k: n for k, n in sizes.items() if n or k != "reworded"}, args.seed, operations).items():
             write_split(args.out, split, rows, "arithmetic", args.system)
     print(f"wrote sft_*.parquet and rl_*.parquet under {args.out}")
 

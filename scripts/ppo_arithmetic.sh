@@ -15,7 +15,7 @@ WORK=${WORK:-runs/quickstart} PPO_STEPS=${PPO_STEPS:-36} PPO_PROMPTS=${PPO_PROMP
 CRITIC_LR=${CRITIC_LR:-5e-5} CRITIC_WARMUP=${CRITIC_WARMUP:-2} NPROC=${NPROC:-2}
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
 SFT_MODEL=$(ls -d "$WORK"/sft/global_step_*/huggingface | sort -V | tail -1)
-[ -f "$WORK/eval/sft.jsonl" ] || { echo "run scripts/quickstart.sh first (no $WORK/eval/sft.jsonl)"; exit 1; }
+[ -f "$WORK/eval/sft_test.jsonl" ] || { echo "run scripts/quickstart.sh first (no $WORK/eval/sft_test.jsonl)"; exit 1; }
 rm -rf "$WORK/ppo"
 
 echo "== PPO from $SFT_MODEL: $PPO_STEPS steps of $PPO_PROMPTS prompts x 1 response, the critic warmed up for $CRITIC_WARMUP"
@@ -50,6 +50,6 @@ for m in every(read_jsonl(os.path.join(work, "ppo", "metrics.jsonl")), 6):
 for name in ("sft", "ppo"):
     for source, s in json.load(open(os.path.join(work, "eval", f"{name}.json"))).items():
         print(f"{name:<5} {source:<12} n={s['n']} acc {s['acc']:.3f} ± {s['acc_se']:.3f}")
-gain, se = paired_difference(os.path.join(work, "eval", "sft.jsonl"), os.path.join(work, "eval", "ppo.jsonl"))
+gain, se = paired_difference(os.path.join(work, "eval", "sft_test.jsonl"), os.path.join(work, "eval", "ppo.jsonl"))
 print(f"PPO - SFT on the same problems: {gain:+.3f} ± {se:.3f} ({gain / se if se else 0.0:+.1f} standard errors)")
 PY

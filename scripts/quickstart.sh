@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct made better at addition on this machine, end to end: set-up, the model as a Hugging Face
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
-# the SFT and GRPO models evaluated on the held-out test split, side by side, with GRPO's gain over SFT on the
-# same problems. On 2 CPU cores: 13 to 16 minutes where the CPU computes bf16 natively, about 26 where it does not
+# the SFT and GRPO models evaluated on two held-out sets, side by side, with GRPO's gain over SFT on the same
+# problems: the test split, worded as the training prompts are, and problems worded otherwise. On 2 CPU cores: 13 to 16 minutes where the CPU computes bf16 natively, about 26 where it does not
 # (docs/results.md has the results).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS
 # (prompts per step, 40 in bf16, 32 in fp32), GRPO_TEMPERATURE (the rollouts' sampling temperature, 1.0 in bf16, 0.7 in
-# fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process: 64 in bf16,
-# 16 in fp32), TEST_ROWS (600 in bf16, 1000 in fp32), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
+# fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process, 64), TEST_ROWS and REWORDED_ROWS (each
+# held-out set's problems: 600 in bf16, 1000 in fp32), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
 # machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where bf16 is emulated:
 # `python -m fsdptrain.dtypes` says which), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
@@ -20,15 +20,14 @@ DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and
 # fp32 steps take two to three times as long as native bf16's, and their activations twice the memory. The step is
 # compute-bound, its time the generation and the update of the groups that teach something; sampled at temperature
 # 0.7, more groups answer all alike and are skipped, so 32 prompts a step cost what 24 did at temperature 1, and keep
-# the run under 30 minutes (docs/results.md). Forwards of 16 samples keep both processes under 12 GB (the gradient is
-# the same whatever the micro-batch). 1000 held-out problems measure the smaller gain to a smaller standard error.
-if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=38 DEFAULT_PROMPTS=32 DEFAULT_TEMPERATURE=0.7 DEFAULT_MICRO=16 DEFAULT_TEST=1000
-else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_TEMPERATURE=1.0 DEFAULT_MICRO=64 DEFAULT_TEST=600; fi
+# the run shorter (docs/results.md). 1000 held-out problems measure the smaller gain to a smaller standard error.
+if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=38 DEFAULT_PROMPTS=32 DEFAULT_TEMPERATURE=0.7 DEFAULT_TEST=1000
+else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_TEMPERATURE=1.0 DEFAULT_TEST=600; fi
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
 GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_TEMPERATURE=${GRPO_TEMPERATURE:-$DEFAULT_TEMPERATURE} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
-GRPO_MICRO=${GRPO_MICRO:-$DEFAULT_MICRO} NPROC=${NPROC:-2}
+REWORDED_ROWS=${REWORDED_ROWS:-$TEST_ROWS} GRPO_MICRO=${GRPO_MICRO:-64} NPROC=${NPROC:-2}
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
-python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --seed "$SEED" --operations "$OPERATIONS" \
+python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --reworded "$REWORDED_ROWS" --seed "$SEED" --operations "$OPERATIONS" \
     --system ""  # an empty system message: SmolLM2's template would add its 16-token default to every prompt
 rm -rf "$WORK/sft" "$WORK/grpo" "$WORK/eval"
 
@@ -60,14 +59,16 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     ${GRPO_ARGS:-}
 GRPO_MODEL="$WORK/grpo/global_step_$GRPO_STEPS/huggingface"
 
-echo "== Evaluation on $TEST_ROWS held-out problems (greedy)"
+echo "== Evaluation on $TEST_ROWS held-out problems and $REWORDED_ROWS worded otherwise (greedy)"
 mkdir -p "$WORK/eval"
 declare -A MODELS=([sft]="$SFT_MODEL" [grpo]="$GRPO_MODEL")
-pids=()
-for name in sft grpo; do  # side by side, a thread each: decoding does not speed up with a second thread
-    python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_test.parquet" --max-new-tokens 32 --batch-size 100 --dtype "$DTYPE" \
-        --out "$WORK/eval/$name.jsonl" --summary "$WORK/eval/$name.json" > /dev/null &
-    pids+=($!)
+for split in test reworded; do
+    pids=()
+    for name in sft grpo; do  # side by side, a thread each: decoding does not speed up with a second thread
+        python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_$split.parquet" --max-new-tokens 32 --batch-size 100 --dtype "$DTYPE" \
+            --out "$WORK/eval/${name}_$split.jsonl" --summary "$WORK/eval/${name}_$split.json" > /dev/null &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
 done
-for pid in "${pids[@]}"; do wait "$pid"; done
 python scripts/show_result.py "$WORK"

@@ -1,5 +1,5 @@
-"""The quickstart's report: the SFT and GRPO runs in a few lines each, then held-out accuracy of the SFT and GRPO
-models side by side, and where everything is.
+"""The quickstart's report: the SFT and GRPO runs in a few lines each, then the SFT and GRPO models' accuracy side
+by side on each held-out set (the test split; problems worded otherwise), and where everything is.
 
     python scripts/show_result.py WORK_DIR
 """
@@ -39,16 +39,17 @@ def main() -> None:
     print("\nGRPO                step  score  response tokens  zero-spread groups")
     for m in every(read_jsonl(os.path.join(work, "grpo", "metrics.jsonl")), 6):
         print(f"{'':<18} {m['step']:>5}  {m['critic/score/mean']:>5.3f}  {m['response_length/mean']:>15.1f}  {m['frac_reward_zero_std']:>18.2f}")
-    print("\nHeld-out test split, greedy: accuracy ± standard error")
-    print(f"{'model':<8} {'data_source':<14} {'n':>5} {'acc':>7} {'± se':>7} {'length':>7}")
-    for name in ("sft", "grpo"):
-        with open(os.path.join(work, "eval", f"{name}.json")) as f:
-            for source, s in json.load(f).items():
-                print(f"{name:<8} {source:<14} {s['n']:>5} {s['acc']:>7.3f} {s['acc_se']:>7.3f} {s['response_length']:>7.1f}")
-    gain, se = paired_difference(os.path.join(work, "eval", "sft.jsonl"), os.path.join(work, "eval", "grpo.jsonl"))
-    print(f"GRPO - SFT on the same problems: {gain:+.3f} ± {se:.3f} ({gain / se if se else 0.0:+.1f} standard errors)")
+    for split, title in (("test", "Held-out test split"), ("reworded", "Held-out problems worded otherwise than the training prompts")):
+        print(f"\n{title}, greedy: accuracy ± standard error")
+        print(f"{'model':<8} {'n':>5} {'acc':>7} {'± se':>7} {'length':>7}")
+        for name in ("sft", "grpo"):
+            with open(os.path.join(work, "eval", f"{name}_{split}.json")) as f:
+                for s in json.load(f).values():
+                    print(f"{name:<8} {s['n']:>5} {s['acc']:>7.3f} {s['acc_se']:>7.3f} {s['response_length']:>7.1f}")
+        gain, se = paired_difference(os.path.join(work, "eval", f"sft_{split}.jsonl"), os.path.join(work, "eval", f"grpo_{split}.jsonl"))
+        print(f"GRPO - SFT on the same problems: {gain:+.3f} ± {se:.3f} ({gain / se if se else 0.0:+.1f} standard errors)")
     print(f"\nmodels: {work}/sft/global_step_*/huggingface, {work}/grpo/global_step_*/huggingface (transformers and vLLM load them)")
-    print(f"metrics: {work}/sft/metrics.jsonl, {work}/grpo/metrics.jsonl; plots: {work}/sft/plots/, {work}/grpo/plots/; answers: {work}/eval/*.jsonl")
+    print(f"metrics: {work}/sft/metrics.jsonl, {work}/grpo/metrics.jsonl; plots: {work}/sft/plots/, {work}/grpo/plots/; answers: {work}/eval/*_{{test,reworded}}.jsonl")
 
 
 if __name__ == "__main__":

@@ -48,3 +48,40 @@ def test_arithmetic_data_keeps_to_the_operations_asked(tmp_path):
     assert operations == {"plus", "times"}
     failed = subprocess.run([*script, "--operations", "plus,divide"], cwd=REPO, capture_output=True, text=True)
     assert failed.returncode != 0 and "--operations: unknown ['divide']" in failed.stderr
+
+
+def test_reworded_split_asks_held_out_problems_in_other_words(tmp_path):
+    import re
+
+    import pyarrow.parquet as pq
+
+    subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(tmp_path), "--train", "300", "--val", "50", "--test", "50",
+                    "--reworded", "200"], cwd=REPO, check=True, capture_output=True)
+
+    def problems(split: str) -> list[tuple[str, str]]:
+        rows = pq.read_table(tmp_path / f"rl_{split}.parquet").to_pylist()
+        return [(row["prompt"][-1]["content"], row["reward_model"]["ground_truth"]) for row in rows]
+
+    def problem(prompt: str) -> tuple[str, int, int]:
+        """(operation, a, b) of a prompt in any of the wordings, read independently of the script's templates."""
+        question = re.split(r"[?.] ", prompt)[0]
+        a, b = map(int, re.findall(r"\d+", question))
+        if re.match(r"Subtract|How much is \d+ added to", question):
+            a, b = b, a
+        words = {"+": ("Add", "sum", "+", "added", "plus"), "-": ("Subtract", "difference", "-", "take away", "minus"),
+                 "*": ("Multiply", "product", "*", "multiplied", "times")}
+        return next(op for op, said in words.items() if any(w in question for w in said)), a, b
+
+    trained, reworded = problems("train"), problems("reworded")
+    assert len(reworded) == 200 and all("####" in prompt for prompt, _ in reworded)
+    # no reworded prompt uses the training prompts' question or instruction, and there are many phrasings
+    question_words = {re.sub(r"\d+", "N", prompt.split("?")[0]) for prompt, _ in trained}
+    instruction = trained[0][0].split("? ", 1)[1]
+    assert all(re.sub(r"\d+", "N", prompt.split("?")[0]) not in question_words and instruction not in prompt for prompt, _ in reworded)
+    assert len({re.sub(r"\d+", "N", prompt) for prompt, _ in reworded}) > 20
+    for prompt, truth in reworded:  # each answer is its problem's
+        op, a, b = problem(prompt)
+        assert int(truth) == {"+": a + b, "-": a - b, "*": a * b}[op], prompt
+    held_out = {problem(prompt) for prompt, _ in reworded}
+    for split in ("train", "val", "test"):  # no problem is in two splits
+        assert not held_out & {problem(prompt) for prompt, _ in problems(split)}

@@ -102,15 +102,21 @@ def distribution_statistic(log_softmax: torch.Tensor, statistic: str) -> torch.T
     return -(probs * log_softmax).sum(dim=1) if statistic == "entropy" else probs.square().sum(dim=1)
 
 
+def _as_columns(values: torch.Tensor) -> torch.Tensor:
+    """(T,) as (T, 1); (T, K) as it is."""
+    return values if values.dim() == 2 else values[:, None]
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, statistic):
-        # targets (T, K): K tokens' log-probs at each row
+        # targets (T,) or (T, K): K tokens' log-probs at each row. The log-probs come out in the targets' shape, not
+        # as a view of it: FSDP2 cannot hook the backward of a view that a forward method returns.
         log_probs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         values = torch.empty(len(targets) if statistic else 0, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(chunk_tokens):
             log_softmax = _chunk_log_softmax(hidden[rows], weight, temperature)
-            log_probs[rows] = log_softmax.gather(1, targets[rows])
+            log_probs[rows] = log_softmax.gather(1, _as_columns(targets[rows])).view(log_probs[rows].shape)
             if statistic:
                 values[rows] = distribution_statistic(log_softmax, statistic)
         ctx.save_for_backward(hidden, weight, targets)
@@ -130,7 +136,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         if log_probs_grad is None:
             log_probs_grad = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(ctx.chunk_tokens):
-            h, y, g = hidden[rows], targets[rows], log_probs_grad[rows]
+            h, y, g = hidden[rows], _as_columns(targets[rows]), _as_columns(log_probs_grad[rows])
             g_sum = g.sum(dim=1, keepdim=True)
             log_softmax = _chunk_log_softmax(h, weight, ctx.temperature)
             # With z = logits / temperature: d log p_y / dz = onehot(y) - p, and d H / dz = -p (log p + H).
@@ -158,9 +164,8 @@ def chunked_token_log_probs(
     targets (T, K): K tokens of each row); with a `statistic` (distribution_statistic's) also that of each row's
     distribution (else None). The backward takes any per-token upstream gradient (and the entropy's) and
     recomputes the logits chunk by chunk."""
-    log_probs, values = _ChunkedTokenLogProbs.apply(hidden, weight, targets if targets.dim() == 2 else targets[:, None], temperature, chunk_tokens,
-                                                    statistic)
-    return log_probs.reshape(targets.shape), values if statistic else None
+    log_probs, values = _ChunkedTokenLogProbs.apply(hidden, weight, targets, temperature, chunk_tokens, statistic)
+    return log_probs, values if statistic else None
 
 
 # ---- the model's side: backbone, then a loss over the output layer ------------------------------------------------
