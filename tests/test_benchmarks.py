@@ -125,6 +125,13 @@ def test_bench_matmul_runs_both_settings():
     assert all(float(value) > 0 for row in rows for value in row[-3:])
 
 
+def test_bench_update_times_each_phase_held_to_avx2(tiny_llama):
+    result = subprocess.run([sys.executable, "scripts/bench_update.py", str(tiny_llama), "--tokens", "48", "--repeats", "1", "--avx2"],
+                            cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    assert "torch CPU capability AVX2" in result.stdout
+    assert "decoder forward" in result.stdout and "backward" in result.stdout
+
+
 def test_bench_async_runs_both_modes_on_long_tailed_prompts(tmp_path, tiny_llama):
     """The sync mode, separate_async and colocate_async on the same processes, every other prompt asking for a long count."""
     out = tmp_path / "async.json"
