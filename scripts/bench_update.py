@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+from bench_matmul import AVX2
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 # SmolLM2-135M-Instruct made better at addition on this machine, end to end: set-up, the model as a Hugging Face
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
 # the SFT and GRPO models evaluated on two held-out sets, side by side, with GRPO's gain over SFT on the same
-# problems: the test split, worded as the training prompts are, and problems worded otherwise. On 2 CPU cores: 13 to 16 minutes where the CPU computes bf16 natively, about 26 where it does not
-# (docs/results.md has the results).
+# problems: the test split, worded as the training prompts are, and problems worded otherwise. On 2 CPU cores:
+# about 15 minutes where the CPU computes bf16 natively, 25 to 36 where it does not (docs/results.md has the results).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS
