@@ -25,7 +25,7 @@ COLOCATE="trainer.use_v1=true trainer.v1.trainer_mode=colocate_async trainer.v1.
     trainer.v1.sampler.max_off_policy_threshold=$MAX_LAG"
 for seed in $SEEDS; do
     for mode in $MODES; do
-        [ -f "$WORK/seed$seed/$mode/eval/grpo.json" ] && continue
+        [ -f "$WORK/seed$seed/$mode/eval/grpo_test.json" ] && continue
         extra=$SHARED; [ "$mode" = separate_async ] && extra="$SHARED $SEPARATE"; [ "$mode" = colocate_async ] && extra="$SHARED $COLOCATE"
         echo "== seed $seed, $mode"
         WORK="$WORK/seed$seed/$mode" SEED=$seed DTYPE=$DTYPE GRPO_PROMPTS=$PROMPTS GRPO_ARGS="$extra ${GRPO_ARGS:-}" \
@@ -40,17 +40,17 @@ from show_result import paired_difference, read_jsonl
 work, seeds = sys.argv[1], sys.argv[2:]
 print(f"{'seed':<5} {'mode':<15} {'acc':>6} {'GRPO-SFT':>16} {'GRPO s':>7} {'gen s':>6} {'lag mean':>8} {'lag max':>7}")
 for seed in seeds:
-    modes = [m for m in ("sync", "separate_async", "colocate_async") if os.path.isfile(os.path.join(work, f"seed{seed}", m, "eval", "grpo.json"))]
+    modes = [m for m in ("sync", "separate_async", "colocate_async") if os.path.isfile(os.path.join(work, f"seed{seed}", m, "eval", "grpo_test.json"))]
     for mode in modes:
         run = os.path.join(work, f"seed{seed}", mode)
-        acc = json.load(open(os.path.join(run, "eval", "grpo.json")))
+        acc = json.load(open(os.path.join(run, "eval", "grpo_test.json")))
         acc = sum(s["acc"] * s["n"] for s in acc.values()) / sum(s["n"] for s in acc.values())
-        gain, se = paired_difference(os.path.join(run, "eval", "sft.jsonl"), os.path.join(run, "eval", "grpo.jsonl"))
+        gain, se = paired_difference(os.path.join(run, "eval", "sft_test.jsonl"), os.path.join(run, "eval", "grpo_test.jsonl"))
         steps = read_jsonl(os.path.join(run, "grpo", "metrics.jsonl"))
         lag = [m.get("async/staleness/mean", 0.0) for m in steps]
         print(f"{seed:<5} {mode:<15} {acc:>6.3f} {gain:>+8.3f} ± {se:.3f} {sum(m['timing_s/step'] for m in steps):>7.0f} "
               f"{sum(m['timing_s/gen'] for m in steps):>6.0f} {sum(lag) / len(lag):>8.2f} {max(m.get('async/staleness/max', 0) for m in steps):>7}")
     for mode in modes[1:]:
-        diff, se = paired_difference(*(os.path.join(work, f"seed{seed}", m, "eval", "grpo.jsonl") for m in ("sync", mode)))
+        diff, se = paired_difference(*(os.path.join(work, f"seed{seed}", m, "eval", "grpo_test.jsonl") for m in ("sync", mode)))
         print(f"seed {seed}: {mode} - sync on the same problems {diff:+.3f} ± {se:.3f} ({diff / se if se else 0.0:+.1f} SE)")
 EOF

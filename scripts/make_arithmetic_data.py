@@ -10,8 +10,9 @@ Writes, for each split (train, val, test; or each GSM8K file by its name):
 - rl_{split}.parquet: verl's layout (`prompt`, `data_source`, `reward_model` {ground_truth, style}, `extra_info`).
 With --reworded N, a fourth split, `reworded`: N held-out problems asked in other words than the training
 prompts' (other phrasings of the question and of the instruction, the answer still after `####`), to show that
-what training taught is the arithmetic rather than one phrasing. No problem appears in two splits, whatever its wording. GSM8K-style input has `question` and `answer` columns, the answer ending
-`#### n`; its data_source is openai/gsm8k, so the built-in strict `####` reward scores it.
+what training taught is the arithmetic rather than one phrasing. No problem appears in two splits, whatever its
+wording. GSM8K-style input has `question` and `answer` columns, the answer ending `#### n`; its data_source is
+openai/gsm8k, so the built-in strict `####` reward scores it.
 With --system every chat starts with that system message: an empty one replaces a chat template's default
 (SmolLM2's is 16 tokens, paid in every prefill, update and evaluation).
 """
@@ -123,8 +124,8 @@ def main() -> None:
             split = os.path.splitext(os.path.basename(path))[0]
             write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k", args.system)
     else:
-        sizes = {"train": args.train, "val": args.val, "test": args.test, "reworded": args.reworded}
-        for split, rows in arithmetic_splits({k: n for k, n in sizes.items() if n or k != "reworded"}, args.seed, operations).items():
+        sizes = {"train": args.train, "val": args.val, "test": args.test} | ({"reworded": args.reworded} if args.reworded else {})
+        for split, rows in arithmetic_splits(sizes, args.seed, operations).items():
             write_split(args.out, split, rows, "arithmetic", args.system)
     print(f"wrote sft_*.parquet and rl_*.parquet under {args.out}")
 

@@ -38,7 +38,7 @@ torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
 
 echo "== Evaluation on the held-out test problems (greedy)"
 OMP_NUM_THREADS=$(nproc) python -m fsdptrain.evaluate "$WORK/ppo/global_step_$PPO_STEPS/huggingface" "$WORK/data/rl_test.parquet" \
-    --max-new-tokens 32 --batch-size 100 --dtype "$DTYPE" --out "$WORK/eval/ppo.jsonl" --summary "$WORK/eval/ppo.json" > /dev/null
+    --max-new-tokens 32 --batch-size 100 --dtype "$DTYPE" --out "$WORK/eval/ppo_test.jsonl" --summary "$WORK/eval/ppo_test.json" > /dev/null
 python - "$WORK" <<'PY'
 import json, os, sys
 sys.path.insert(0, "scripts")
@@ -48,8 +48,8 @@ print("PPO                 step  score  vf_loss  explained variance")
 for m in every(read_jsonl(os.path.join(work, "ppo", "metrics.jsonl")), 6):
     print(f"{'':<18} {m['step']:>5}  {m['critic/score/mean']:>5.3f}  {m['critic/vf_loss']:>7.4f}  {m['critic/vf_explained_var']:>18.3f}")
 for name in ("sft", "ppo"):
-    for source, s in json.load(open(os.path.join(work, "eval", f"{name}.json"))).items():
+    for source, s in json.load(open(os.path.join(work, "eval", f"{name}_test.json"))).items():
         print(f"{name:<5} {source:<12} n={s['n']} acc {s['acc']:.3f} ± {s['acc_se']:.3f}")
-gain, se = paired_difference(os.path.join(work, "eval", "sft_test.jsonl"), os.path.join(work, "eval", "ppo.jsonl"))
+gain, se = paired_difference(os.path.join(work, "eval", "sft_test.jsonl"), os.path.join(work, "eval", "ppo_test.jsonl"))
 print(f"PPO - SFT on the same problems: {gain:+.3f} ± {se:.3f} ({gain / se if se else 0.0:+.1f} standard errors)")
 PY

@@ -26,6 +26,9 @@ else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_TEMPERATURE=1.0 DEFAULT_TEST=60
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
 GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_TEMPERATURE=${GRPO_TEMPERATURE:-$DEFAULT_TEMPERATURE} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
 REWORDED_ROWS=${REWORDED_ROWS:-$TEST_ROWS} GRPO_MICRO=${GRPO_MICRO:-64} NPROC=${NPROC:-2}
+for rows in TEST_ROWS REWORDED_ROWS; do  # both sets are evaluated and reported: refused before any training, not after it
+    [ "${!rows}" -gt 0 ] 2>/dev/null || { echo "quickstart: $rows must be a positive number of problems, got '${!rows}'" >&2; exit 1; }
+done
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
 python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --reworded "$REWORDED_ROWS" --seed "$SEED" --operations "$OPERATIONS" \
     --system ""  # an empty system message: SmolLM2's template would add its 16-token default to every prompt

@@ -85,3 +85,11 @@ def test_reworded_split_asks_held_out_problems_in_other_words(tmp_path):
     held_out = {problem(prompt) for prompt, _ in reworded}
     for split in ("train", "val", "test"):  # no problem is in two splits
         assert not held_out & {problem(prompt) for prompt, _ in problems(split)}
+
+
+@pytest.mark.parametrize("variable", ["TEST_ROWS", "REWORDED_ROWS"])
+def test_quickstart_refuses_an_empty_held_out_set_before_training(tmp_path, variable):
+    result = subprocess.run(["bash", "scripts/quickstart.sh"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "WORK": str(tmp_path), variable: "0"})
+    assert result.returncode != 0 and f"quickstart: {variable} must be a positive number of problems, got '0'" in result.stderr
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "data").exists()

@@ -103,7 +103,7 @@ def distribution_statistic(log_softmax: torch.Tensor, statistic: str) -> torch.T
 
 
 def _as_columns(values: torch.Tensor) -> torch.Tensor:
-    """(T,) as (T, 1); (T, K) as it is."""
+    """(T,) as a (T, 1) view; (T, K) as it is."""
     return values if values.dim() == 2 else values[:, None]
 
 
@@ -116,7 +116,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         values = torch.empty(len(targets) if statistic else 0, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(chunk_tokens):
             log_softmax = _chunk_log_softmax(hidden[rows], weight, temperature)
-            log_probs[rows] = log_softmax.gather(1, _as_columns(targets[rows])).view(log_probs[rows].shape)
+            _as_columns(log_probs)[rows] = log_softmax.gather(1, _as_columns(targets)[rows])
             if statistic:
                 values[rows] = distribution_statistic(log_softmax, statistic)
         ctx.save_for_backward(hidden, weight, targets)
@@ -136,7 +136,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         if log_probs_grad is None:
             log_probs_grad = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(targets), device=hidden.device).split(ctx.chunk_tokens):
-            h, y, g = hidden[rows], _as_columns(targets[rows]), _as_columns(log_probs_grad[rows])
+            h, y, g = hidden[rows], _as_columns(targets)[rows], _as_columns(log_probs_grad)[rows]
             g_sum = g.sum(dim=1, keepdim=True)
             log_softmax = _chunk_log_softmax(h, weight, ctx.temperature)
             # With z = logits / temperature: d log p_y / dz = onehot(y) - p, and d H / dz = -p (log p + H).
