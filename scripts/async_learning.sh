@@ -5,7 +5,8 @@
 # the training rank trains; colocate_async, both generating and training with a batch in flight ahead, each step
 # training on the first complete groups. A batch is 2 updates in every mode, the weights at most MAX_LAG steps old.
 # Then the held-out accuracies, each async mode's paired difference to sync and the wall times side by side
-# (docs/async.md has the results). A mode whose run is already there is not run again.
+# (docs/async.md has the results, made with the quickstart's worked answers: ANSWER=worked). A mode whose run is
+# already there is not run again.
 #   bash scripts/async_learning.sh
 # Environment: WORK (runs/async_learning), SEEDS ("0 1"), MODES ("sync separate_async colocate_async"), MAX_LAG (1),
 # and the quickstart's own variables.

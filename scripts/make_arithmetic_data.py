@@ -1,12 +1,13 @@
 """Verifiable arithmetic tasks as SFT and RL parquet files, or a GSM8K-style file converted to both layouts.
 
-    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--reworded 0] [--seed 0] [--operations plus,minus,times] [--system TEXT]
+    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--reworded 0] [--seed 0] [--operations plus,minus,times] [--system TEXT] [--answer worked|short]
     python scripts/make_arithmetic_data.py OUT_DIR --from-gsm8k train.parquet [test.parquet ...]
 
 Tasks mix addition, subtraction and multiplication of 1- to 3-digit numbers (or those of --operations), with the
 answer after `####`.
 Writes, for each split (train, val, test; or each GSM8K file by its name):
-- sft_{split}.parquet: a `messages` column (user question, assistant worked answer ending `#### n`);
+- sft_{split}.parquet: a `messages` column (user question, assistant answer: `a + b = n.\n#### n` worked, or with
+  --answer short `#### n` alone, under a third of the tokens to generate and train on);
 - rl_{split}.parquet: verl's layout (`prompt`, `data_source`, `reward_model` {ground_truth, style}, `extra_info`).
 With --reworded N, a fourth split, `reworded`: N held-out problems asked in other words than the training
 prompts' (other phrasings of the question and of the instruction, the answer still after `####`), to show that
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 INSTRUCTION = "Solve the problem and give the final answer after '####'."
 OPERATIONS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
 SYMBOLS = {"plus": "+", "minus": "-", "times": "*"}
+ANSWERS = {"worked": "{a} {symbol} {b} = {result}.\n#### {result}", "short": "#### {result}"}
 # the reworded split's phrasings: none shares the training prompts' "What is a plus b?" nor their instruction
 REWORDED_QUESTIONS = {
     "plus": ["Add {a} and {b}.", "Find the sum of {a} and {b}.", "Compute {a} + {b}.", "How much is {b} added to {a}?",
@@ -48,15 +50,15 @@ def arithmetic_task(rng: random.Random, operations: list[str]) -> tuple[str, int
     return name, a, b
 
 
-def worded(name: str, a: int, b: int, rng: random.Random | None) -> tuple[str, str, str]:
-    """(prompt, worked answer ending '#### n', n): in the training prompts' words, or with `rng` in one of the
-    reworded split's."""
+def worded(name: str, a: int, b: int, rng: random.Random | None, answer: str) -> tuple[str, str, str]:
+    """(prompt, answer ending '#### n' in the format ANSWERS[answer], n): in the training prompts' words, or with
+    `rng` in one of the reworded split's."""
     result = OPERATIONS[name](a, b)
     if rng is None:
         prompt = f"What is {a} {name} {b}? {INSTRUCTION}"
     else:
         prompt = f"{rng.choice(REWORDED_QUESTIONS[name]).format(a=a, b=b)} {rng.choice(REWORDED_INSTRUCTIONS)}"
-    return prompt, f"{a} {SYMBOLS[name]} {b} = {result}.\n#### {result}", str(result)
+    return prompt, ANSWERS[answer].format(a=a, symbol=SYMBOLS[name], b=b, result=result), str(result)
 
 
 def layouts(question: str, answer: str, ground_truth: str, data_source: str, split: str, index: int, system: str | None
@@ -76,7 +78,8 @@ def write_split(out: str, split: str, rows: list[tuple[str, str, str]], data_sou
     pq.write_table(pa.Table.from_pylist([rl for _, rl in made]), os.path.join(out, f"rl_{split}.parquet"))
 
 
-def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str]) -> dict[str, list[tuple[str, str, str]]]:
+def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str], answer: str = "worked"
+                      ) -> dict[str, list[tuple[str, str, str]]]:
     rng, seen, splits = random.Random(seed), set(), {}
     for split, size in sizes.items():
         rows = []
@@ -84,7 +87,7 @@ def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str]) -
             task = arithmetic_task(rng, operations)
             if task not in seen:  # no problem in two splits (nor twice in one)
                 seen.add(task)
-                rows.append(worded(*task, rng if split == "reworded" else None))
+                rows.append(worded(*task, rng if split == "reworded" else None, answer))
         splits[split] = rows
     return splits
 
@@ -112,6 +115,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--operations", default="plus,minus,times", help="comma-separated, of: " + ", ".join(OPERATIONS))
     parser.add_argument("--system", help="a system message starting every chat (default: none, the chat template's own)")
+    parser.add_argument("--answer", choices=sorted(ANSWERS), default="worked", help="the SFT answers' format (default: worked)")
     parser.add_argument("--from-gsm8k", nargs="+", metavar="FILE", help="convert GSM8K-style files instead of generating tasks")
     args = parser.parse_args()
     operations = args.operations.split(",")
@@ -125,7 +129,7 @@ def main() -> None:
             write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k", args.system)
     else:
         sizes = {"train": args.train, "val": args.val, "test": args.test} | ({"reworded": args.reworded} if args.reworded else {})
-        for split, rows in arithmetic_splits(sizes, args.seed, operations).items():
+        for split, rows in arithmetic_splits(sizes, args.seed, operations, args.answer).items():
             write_split(args.out, split, rows, "arithmetic", args.system)
     print(f"wrote sft_*.parquet and rl_*.parquet under {args.out}")
 

@@ -3,7 +3,7 @@
 # one response per prompt, the advantage from a learned value model instead of a group of responses. Needs the
 # quickstart's work directory (its SFT model, data and the SFT model's evaluation); evaluates the PPO model on the
 # same held-out test problems and prints its gain over the SFT model with the paired standard error. About 30
-# minutes on 2 CPU cores (docs/results.md has its result).
+# minutes on 2 CPU cores (docs/results.md has its result, from the quickstart's worked answers: ANSWER=worked).
 #   bash scripts/quickstart.sh && bash scripts/ppo_arithmetic.sh
 # Sizes are environment variables: WORK (the quickstart's; runs/quickstart), PPO_STEPS (36), PPO_PROMPTS (96 a
 # step), ACTOR_LR (5e-6), CRITIC_LR (5e-5), CRITIC_WARMUP (2), NPROC (2), DTYPE (as the quickstart's: the machine's native one), and

@@ -3,13 +3,14 @@
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
 # the SFT and GRPO models evaluated on two held-out sets, side by side, with GRPO's gain over SFT on the same
 # problems: the test split, worded as the training prompts are, and problems worded otherwise. On 2 CPU cores:
-# about 15 minutes where the CPU computes bf16 natively, 25 to 36 where it does not (docs/results.md has the results).
+# about 12 minutes where the CPU computes bf16 natively, 17 where it does not (docs/results.md has the results).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
-# OPERATIONS (plus; any of plus,minus,times), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS
-# (prompts per step, 40 in bf16, 32 in fp32), GRPO_TEMPERATURE (the rollouts' sampling temperature, 1.0 in bf16, 0.7 in
-# fp32), GRPO_LR (5e-6), GRPO_MICRO (samples a forward a process, 64), TEST_ROWS and REWORDED_ROWS (each
-# held-out set's problems: 600 in bf16, 1000 in fp32), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
+# OPERATIONS (plus; any of plus,minus,times), ANSWER (the SFT answers' format: short, `#### n`; or worked,
+# `a + b = n.\n#### n`), SFT_STEPS (32), GRPO_STEPS (38), GRPO_PROMPTS (prompts per step, 32; worked in bf16: 40),
+# GRPO_TEMPERATURE (the rollouts' sampling temperature, 0.7; worked in bf16: 1.0), GRPO_LR (5e-6), GRPO_MICRO
+# (samples a forward a process, 64), TEST_ROWS and REWORDED_ROWS (each held-out set's problems: 1000; worked in
+# bf16: 600), NPROC (2), DTYPE (the compute dtype of the trainers and the evaluation; by default bf16 where the
 # machine computes it natively, a GPU or a CPU with AVX512-BF16 or AMX, and fp32 elsewhere, where bf16 is emulated:
 # `python -m fsdptrain.dtypes` says which), and GRPO_ARGS: more overrides for the GRPO trainer.
 set -euo pipefail
@@ -17,20 +18,23 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a process: NPROC processes (or the two evaluations) share the cores
 bash scripts/setup.sh smollm2
 DTYPE=${DTYPE:-$(python -m fsdptrain.dtypes)}  # prints the machine's choice and why; an explicit DTYPE wins
-# fp32 steps take two to three times as long as native bf16's, and their activations twice the memory. The step is
-# compute-bound, its time the generation and the update of the groups that teach something; sampled at temperature
-# 0.7, more groups answer all alike and are skipped, so 32 prompts a step cost what 24 did at temperature 1, and keep
-# the run shorter (docs/results.md). 1000 held-out problems measure the smaller gain to a smaller standard error.
-if [ "$DTYPE" = fp32 ]; then DEFAULT_STEPS=38 DEFAULT_PROMPTS=32 DEFAULT_TEMPERATURE=0.7 DEFAULT_TEST=1000
-else DEFAULT_STEPS=38 DEFAULT_PROMPTS=40 DEFAULT_TEMPERATURE=1.0 DEFAULT_TEST=600; fi
+ANSWER=${ANSWER:-short}
+# The answer is `#### n` alone (ANSWER=short): 6 tokens to generate and train on, not the worked answer's 20
+# (`a + b = n.\n#### n`), so a GRPO step costs 40% as much. The worked answer scores higher (above 0.80 after
+# GRPO, against 0.69-0.74) but its run takes twice as long; ANSWER=worked runs it at the sizes
+# chosen for it: fp32 steps take two to three times as long as native bf16's, and sampled at temperature 0.7 more
+# groups answer alike and are skipped, so 32 prompts a step cost what 24 did at temperature 1 (docs/results.md).
+if [ "$ANSWER" = worked ] && [ "$DTYPE" = fp32 ]; then RESPONSE_TOKENS=24 DEFAULT_PROMPTS=32 DEFAULT_TEMPERATURE=0.7 DEFAULT_TEST=1000
+elif [ "$ANSWER" = worked ]; then RESPONSE_TOKENS=24 DEFAULT_PROMPTS=40 DEFAULT_TEMPERATURE=1.0 DEFAULT_TEST=600
+else RESPONSE_TOKENS=16 DEFAULT_PROMPTS=32 DEFAULT_TEMPERATURE=0.7 DEFAULT_TEST=1000; fi
 WORK=${WORK:-runs/quickstart} SEED=${SEED:-0} OPERATIONS=${OPERATIONS:-plus} SFT_STEPS=${SFT_STEPS:-32}
-GRPO_STEPS=${GRPO_STEPS:-$DEFAULT_STEPS} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_TEMPERATURE=${GRPO_TEMPERATURE:-$DEFAULT_TEMPERATURE} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
+GRPO_STEPS=${GRPO_STEPS:-38} GRPO_PROMPTS=${GRPO_PROMPTS:-$DEFAULT_PROMPTS} GRPO_TEMPERATURE=${GRPO_TEMPERATURE:-$DEFAULT_TEMPERATURE} GRPO_LR=${GRPO_LR:-5e-6} TEST_ROWS=${TEST_ROWS:-$DEFAULT_TEST}
 REWORDED_ROWS=${REWORDED_ROWS:-$TEST_ROWS} GRPO_MICRO=${GRPO_MICRO:-64} NPROC=${NPROC:-2}
 for rows in TEST_ROWS REWORDED_ROWS; do  # both sets are evaluated and reported: refused before any training, not after it
     [ "${!rows}" -gt 0 ] 2>/dev/null || { echo "quickstart: $rows must be a positive number of problems, got '${!rows}'" >&2; exit 1; }
 done
 [ -f "$WORK/smollm2/config.json" ] || python scripts/smollm2_to_hf.py "$WORK/smollm2"
-python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --reworded "$REWORDED_ROWS" --seed "$SEED" --operations "$OPERATIONS" \
+python scripts/make_arithmetic_data.py "$WORK/data" --train 2000 --val 1000 --test "$TEST_ROWS" --reworded "$REWORDED_ROWS" --seed "$SEED" --operations "$OPERATIONS" --answer "$ANSWER" \
     --system ""  # an empty system message: SmolLM2's template would add its 16-token default to every prompt
 rm -rf "$WORK/sft" "$WORK/grpo" "$WORK/eval"
 
@@ -50,7 +54,7 @@ echo "== GRPO from the SFT model: $GRPO_STEPS steps of $GRPO_PROMPTS prompts x 8
 # (skip_zero_advantage, the same gradient). Each process generates its share of the responses in one batch.
 torchrun --standalone --nproc_per_node="$NPROC" -m fsdptrain.grpo_trainer \
     data.train_files="$WORK/data/rl_train.parquet" \
-    data.max_prompt_length=128 data.max_response_length=24 data.train_batch_size="$GRPO_PROMPTS" \
+    data.max_prompt_length=128 data.max_response_length="$RESPONSE_TOKENS" data.train_batch_size="$GRPO_PROMPTS" \
     actor_rollout_ref.model.path="$SFT_MODEL" actor_rollout_ref.model.enable_gradient_checkpointing=false \
     actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype="$DTYPE" \
     actor_rollout_ref.actor.optim.lr="$GRPO_LR" actor_rollout_ref.actor.ppo_mini_batch_size="$GRPO_PROMPTS" \
@@ -68,7 +72,7 @@ declare -A MODELS=([sft]="$SFT_MODEL" [grpo]="$GRPO_MODEL")
 for split in test reworded; do
     pids=()
     for name in sft grpo; do  # side by side, a thread each: decoding does not speed up with a second thread
-        python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_$split.parquet" --max-new-tokens 32 --batch-size 100 --dtype "$DTYPE" \
+        python -m fsdptrain.evaluate "${MODELS[$name]}" "$WORK/data/rl_$split.parquet" --max-new-tokens "$RESPONSE_TOKENS" --batch-size 100 --dtype "$DTYPE" \
             --out "$WORK/eval/${name}_$split.jsonl" --summary "$WORK/eval/${name}_$split.json" > /dev/null &
         pids+=($!)
     done

@@ -50,6 +50,24 @@ def test_arithmetic_data_keeps_to_the_operations_asked(tmp_path):
     assert failed.returncode != 0 and "--operations: unknown ['divide']" in failed.stderr
 
 
+def test_short_answers_ask_the_same_problems_and_answer_only_after_the_mark(tmp_path):
+    import pyarrow.parquet as pq
+
+    def split(answer: str) -> list[list[dict]]:
+        out = tmp_path / answer
+        subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(out), "--train", "60", "--val", "4", "--test", "4",
+                        "--answer", answer], cwd=REPO, check=True, capture_output=True)
+        return pq.read_table(out / "sft_train.parquet").column("messages").to_pylist()
+
+    worked, short = split("worked"), split("short")
+    assert [chat[:-1] for chat in worked] == [chat[:-1] for chat in short]  # the same draw of problems
+    for worked_chat, short_chat in zip(worked, short):
+        question, answer = short_chat[-2]["content"], short_chat[-1]["content"]
+        a, name, b = question.removeprefix("What is ").split("?")[0].split()
+        expected = {"plus": int(a) + int(b), "minus": int(a) - int(b), "times": int(a) * int(b)}[name]
+        assert answer == f"#### {expected}" and worked_chat[-1]["content"].endswith(answer)
+
+
 def test_reworded_split_asks_held_out_problems_in_other_words(tmp_path):
     import re
 
