@@ -3,7 +3,7 @@
 # folder, verifiable addition problems, a short SFT on 2 processes, GRPO from the SFT model on 2 processes, then
 # the SFT and GRPO models evaluated on two held-out sets, side by side, with GRPO's gain over SFT on the same
 # problems: the test split, worded as the training prompts are, and problems worded otherwise. On 2 CPU cores:
-# about 12 minutes where the CPU computes bf16 natively, 17 where it does not (docs/results.md has the results).
+# about 12 minutes where the CPU computes bf16 natively, 16 to 18 where it does not (docs/results.md has the results).
 #   bash scripts/quickstart.sh
 # Sizes are environment variables: WORK (where it writes; runs/quickstart), SEED (the problems' draw, 0),
 # OPERATIONS (plus; any of plus,minus,times), ANSWER (the SFT answers' format: short, `#### n`; or worked,
