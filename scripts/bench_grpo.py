@@ -2,7 +2,7 @@
 its vLLM colocate mode), the same training through each system, one system at a time in its own process tree.
 
     python scripts/bench_grpo.py --model runs/quickstart/smollm2 --data runs/quickstart/data [--steps 4] [--prompts 4]
-        [--responses 8] [--max-new-tokens 32] [--nproc 2] [--systems fsdptrain-hf,fsdptrain-vllm,trl-hf,trl-vllm] [--json out.json]
+        [--responses 8] [--max-new-tokens 32] [--nproc 2] [--micro-batch N] [--systems fsdptrain-hf,fsdptrain-vllm,trl-hf,trl-vllm] [--json out.json]
         [--fsdptrain-overrides key=value ...] [--lora-rank 16] [--checkpoint-size] [--bf16]
 
 The same in every system: the model (fp32 weights; fp32 compute, or bf16 with `--bf16`), the prompts (the RL training split of make_arithmetic_data.py,
@@ -53,7 +53,7 @@ def run_fsdptrain(system: str, args) -> dict:
            f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={'bf16' if args.bf16 else 'fp32'}",
            f"actor_rollout_ref.actor.optim.lr={LR}", f"actor_rollout_ref.actor.optim.weight_decay={WEIGHT_DECAY}",
            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-           f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.prompts * args.responses // args.nproc}",
+           f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
            f"actor_rollout_ref.rollout.n={args.responses}", f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.responses}",
            f"actor_rollout_ref.rollout.name={system.split('-')[1]}", f"actor_rollout_ref.rollout.gpu_memory_utilization={args.vllm_memory}",
            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.resume_mode=disable", "trainer.logger=[file]",
@@ -91,7 +91,7 @@ def run_trl(system: str, args) -> dict:
     os.makedirs(out)
     cmd = [*torchrun(args.nproc), __file__, "--worker", system, "--model", args.model, "--data", args.data, "--work", out,
            "--steps", str(args.steps), "--prompts", str(args.prompts), "--responses", str(args.responses), "--max-new-tokens", str(args.max_new_tokens),
-           "--vllm-memory", str(args.vllm_memory), *(["--reward", args.reward] if args.reward else []), *(["--bf16"] if args.bf16 else [])]
+           "--micro-batch", str(args.micro_batch), "--vllm-memory", str(args.vllm_memory), *(["--reward", args.reward] if args.reward else []), *(["--bf16"] if args.bf16 else [])]
     memory = launch(cmd, env={"WANDB_MODE": "disabled", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.nproc)]
     logs = [entry for entry in ranks[0]["log_history"] if "reward" in entry]
@@ -158,7 +158,8 @@ def trl_worker(args) -> None:
 
     world = int(os.environ["WORLD_SIZE"])
     config = GRPOConfig(
-        output_dir=args.work, max_steps=args.steps, per_device_train_batch_size=args.prompts * args.responses // world, gradient_accumulation_steps=1,
+        output_dir=args.work, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.prompts * args.responses // world // args.micro_batch,  # one generation an optimizer step
         num_generations=args.responses, max_completion_length=args.max_new_tokens, temperature=1.0, learning_rate=LR, weight_decay=WEIGHT_DECAY,
         adam_beta1=0.9, adam_beta2=0.999, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", num_iterations=1, shuffle_dataset=False, gradient_checkpointing=False,
@@ -225,6 +226,7 @@ def main() -> None:
     parser.add_argument("--responses", type=int, default=8, help="responses a prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, help="sequences a forward a process, in both systems (default: all of a process's)")
     parser.add_argument("--reward", help="a Python file whose compute_score(data_source, solution_str, ground_truth, extra_info) scores")
     parser.add_argument("--vllm-memory", type=float, default=0.15, help="gpu_memory_utilization of every vLLM engine")
     parser.add_argument("--systems", default=",".join(SYSTEMS[:4]), help=f"any of {', '.join(SYSTEMS)} (-lora: LoRA rows)")
@@ -237,6 +239,10 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=("trl-hf", "trl-vllm"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    per_process = args.prompts * args.responses // args.nproc
+    args.micro_batch = args.micro_batch or per_process
+    if per_process % args.micro_batch:
+        parser.error(f"--micro-batch {args.micro_batch} must divide a process's {per_process} sequences")
     if args.worker:
         return trl_worker(args)
     results = {}
@@ -247,7 +253,8 @@ def main() -> None:
         try:
             results[system] = (run_fsdptrain if system.startswith("fsdptrain") else run_trl)(system, args)
         except SystemExit as e:  # a system that does not run here is a row of the table, not the end of the benchmark
-            results[system] = {"error": str(e).strip().splitlines()[-1][:200]}
+            lines = str(e).strip().splitlines()  # torchrun's report ends in a banner: its root cause's line says more
+            results[system] = {"error": next((line.strip() for line in lines if "Signal" in line or "Error" in line), lines[-1])[:200]}
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -50,14 +50,16 @@ def arithmetic_task(rng: random.Random, operations: list[str]) -> tuple[str, int
     return name, a, b
 
 
-def worded(name: str, a: int, b: int, rng: random.Random | None, answer: str) -> tuple[str, str, str]:
+def worded(name: str, a: int, b: int, rng: random.Random | None, answer: str, instructed: bool) -> tuple[str, str, str]:
     """(prompt, answer ending '#### n' in the format ANSWERS[answer], n): in the training prompts' words, or with
-    `rng` in one of the reworded split's."""
+    `rng` in one of the reworded split's; `instructed`: the question followed by an instruction to answer after
+    '####'."""
     result = OPERATIONS[name](a, b)
     if rng is None:
-        prompt = f"What is {a} {name} {b}? {INSTRUCTION}"
+        prompt = f"What is {a} {name} {b}?" + f" {INSTRUCTION}" * instructed
     else:
-        prompt = f"{rng.choice(REWORDED_QUESTIONS[name]).format(a=a, b=b)} {rng.choice(REWORDED_INSTRUCTIONS)}"
+        question, instruction = rng.choice(REWORDED_QUESTIONS[name]).format(a=a, b=b), rng.choice(REWORDED_INSTRUCTIONS)
+        prompt = question + f" {instruction}" * instructed
     return prompt, ANSWERS[answer].format(a=a, symbol=SYMBOLS[name], b=b, result=result), str(result)
 
 
@@ -78,7 +80,7 @@ def write_split(out: str, split: str, rows: list[tuple[str, str, str]], data_sou
     pq.write_table(pa.Table.from_pylist([rl for _, rl in made]), os.path.join(out, f"rl_{split}.parquet"))
 
 
-def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str], answer: str = "worked"
+def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str], answer: str, instructed: bool
                       ) -> dict[str, list[tuple[str, str, str]]]:
     rng, seen, splits = random.Random(seed), set(), {}
     for split, size in sizes.items():
@@ -87,7 +89,7 @@ def arithmetic_splits(sizes: dict[str, int], seed: int, operations: list[str], a
             task = arithmetic_task(rng, operations)
             if task not in seen:  # no problem in two splits (nor twice in one)
                 seen.add(task)
-                rows.append(worded(*task, rng if split == "reworded" else None, answer))
+                rows.append(worded(*task, rng if split == "reworded" else None, answer, instructed))
         splits[split] = rows
     return splits
 
@@ -116,6 +118,8 @@ def main() -> None:
     parser.add_argument("--operations", default="plus,minus,times", help="comma-separated, of: " + ", ".join(OPERATIONS))
     parser.add_argument("--system", help="a system message starting every chat (default: none, the chat template's own)")
     parser.add_argument("--answer", choices=sorted(ANSWERS), default="worked", help="the SFT answers' format (default: worked)")
+    parser.add_argument("--no-instruction", action="store_true",
+                        help="the question alone, without the instruction to answer after '####' (the SFT answers teach it)")
     parser.add_argument("--from-gsm8k", nargs="+", metavar="FILE", help="convert GSM8K-style files instead of generating tasks")
     args = parser.parse_args()
     operations = args.operations.split(",")
@@ -129,7 +133,7 @@ def main() -> None:
             write_split(args.out, split, gsm8k_rows(path), "openai/gsm8k", args.system)
     else:
         sizes = {"train": args.train, "val": args.val, "test": args.test} | ({"reworded": args.reworded} if args.reworded else {})
-        for split, rows in arithmetic_splits(sizes, args.seed, operations, args.answer).items():
+        for split, rows in arithmetic_splits(sizes, args.seed, operations, args.answer, not args.no_instruction).items():
             write_split(args.out, split, rows, "arithmetic", args.system)
     print(f"wrote sft_*.parquet and rl_*.parquet under {args.out}")
 

@@ -119,14 +119,16 @@ def test_every_path_gives_a_plain_forwards_log_probs_loss_and_gradients(arch_fol
 
 
 def test_the_rollout_samples_from_a_plain_forwards_distribution(arch_folder):
-    """The hf engine's prefill, cache copies for n responses, per-row cache selection as rows end (recurrent
-    states included) and left padding give each sampled token a plain forward's log-prob."""
+    """The hf engine's prefill (the prompts' common prefix of 10 tokens, longer than the windows, forwarded once
+    where the architecture allows), cache copies for n responses, per-row cache selection as rows end (recurrent
+    states included) and padding give each sampled token a plain forward's log-prob."""
     reference = plain(arch_folder)
     engine = HFRollout(arch_folder, torch.device("cpu"), torch.float32, pad_id=0)
-    prompts = [s.input_ids[: s.shared_prefix].tolist() for s in groups()[::3]]
+    first, second = (s.input_ids[: s.shared_prefix].tolist() for s in groups()[::3])
+    prompts = [first, first[:10] + second, first[:12]]
     torch.manual_seed(0)
-    generations = engine.generate(prompts, n=3, max_new_tokens=14, batch_size=6, calculate_log_probs=True)
-    assert len(generations) == 6 and max(len(g.response_ids) for g in generations) > 8  # past the window
+    generations = engine.generate(prompts, n=3, max_new_tokens=14, batch_size=9, calculate_log_probs=True)
+    assert len(generations) == 9 and max(len(g.response_ids) for g in generations) > 8  # past the window
     for generation in generations:
         ids = torch.tensor(generation.prompt_ids + generation.response_ids)
         expected = reference_log_probs(reference, ids)[len(generation.prompt_ids) - 1 :]

@@ -59,6 +59,29 @@ def test_hf_engine_answers_as_plain_generate_whatever_the_batching(tiny_llama, b
         torch.testing.assert_close(torch.tensor(g.log_probs), expected, rtol=0, atol=1e-5)
 
 
+def test_hf_engine_prefills_a_batchs_common_prefix_once(tiny_llama):
+    """Prompts that begin alike (a chat template's opening, a shared instruction), one of them the prefix and a
+    token: the prefix is forwarded once, and the answers are still plain generate's on each prompt alone, with the
+    log-probs of one forward over prompt and answer; with enable_prefix_caching=false every prompt is whole."""
+    prefix = [5, 17, 42, 8, 9, 23, 61]
+    prompts = [prefix + [7], prefix + [11, 12, 13], prefix + [30, 31, 32, 33, 34, 35, 36], prefix[:3] + [9, 9]]
+    for caching, batch, first_forward in ((True, prompts[:3], 7), (True, prompts, 3), (False, prompts[:3], 3 * 14)):
+        engine = HFRollout(tiny_llama, torch.device("cpu"), torch.float32, pad_id=2, enable_prefix_caching=caching)
+        forwarded = []
+        engine.model.get_input_embeddings().register_forward_pre_hook(lambda module, args, seen=forwarded: seen.append(args[0].numel()))
+        generations = engine.generate(batch, n=2, max_new_tokens=6, batch_size=8, do_sample=False, calculate_log_probs=True)
+        assert forwarded[0] == first_forward, (caching, len(batch), forwarded[:2])
+        for g in generations:
+            alone = engine.model.generate(torch.tensor([g.prompt_ids]), max_new_tokens=6, do_sample=False, pad_token_id=2,
+                                          eos_token_id=engine.end_ids)[0, len(g.prompt_ids):].tolist()
+            end = next((i + 1 for i, t in enumerate(alone) if t in engine.end_ids), len(alone))
+            assert g.response_ids == alone[:end], g.prompt_ids
+            ids = torch.tensor([g.prompt_ids + g.response_ids])
+            logits = engine.model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
+            expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(g.prompt_ids) :, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(g.log_probs), expected, rtol=0, atol=1e-5)
+
+
 def test_hf_engine_rows_that_end_early_leave_the_others_right(tiny_llama):
     """End tokens taken from sampled answers, so that the rows of a batch end at different steps and the rows
     still going are forwarded alone: each answer's log-probs are still those of one forward pass over its own

@@ -68,6 +68,21 @@ def test_short_answers_ask_the_same_problems_and_answer_only_after_the_mark(tmp_
         assert answer == f"#### {expected}" and worked_chat[-1]["content"].endswith(answer)
 
 
+def test_no_instruction_asks_the_same_questions_without_it(tmp_path):
+    """--no-instruction: every prompt, the reworded split's too, is its question alone, the same draw otherwise."""
+    import pyarrow.parquet as pq
+
+    def prompts(*flags: str) -> list[str]:
+        out = tmp_path / ("bare" if flags else "instructed")
+        subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(out), "--train", "20", "--val", "4", "--test", "4",
+                        "--reworded", "30", *flags], cwd=REPO, check=True, capture_output=True)
+        return [row[-1]["content"] for split in ("train", "reworded") for row in pq.read_table(out / f"rl_{split}.parquet").column("prompt").to_pylist()]
+
+    instructed, bare = prompts(), prompts("--no-instruction")
+    assert all("####" in prompt for prompt in instructed) and not any("####" in prompt for prompt in bare)
+    assert all(full.startswith(question + " ") for full, question in zip(instructed, bare))
+
+
 def test_reworded_split_asks_held_out_problems_in_other_words(tmp_path):
     import re
 

@@ -203,6 +203,7 @@ class RolloutConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     enforce_eager: bool
+    enable_prefix_caching: bool
     free_cache_engine: bool
     load_format: str
     multi_turn: MultiTurnConfig

@@ -13,6 +13,9 @@ models/attention.py's; what needs a decision per model is below:
 - dropout in the model's config (Seed-OSS ships attention and residual dropout) makes the update's forward noisy, so
   the old policy's log-probs are taken by their own pass in eval mode, as verl takes them, not from the update's.
 - a model that transformers' SDPA attention does not support (gpt-oss: its sinks) runs padded rows in eager attention.
+- the hf engine's prefill computes the keys and values of a batch's common prompt prefix once, the rest of each
+  prompt padded after it: only where every layer attends to every earlier key. A windowed layer (Mistral, Gemma 3,
+  gpt-oss) counts its window in the cache's columns, which the padding would widen, and a recurrent one reads the pads.
 - an MoE model whose config asks for the routers' load-balancing loss (`output_router_logits`) trains with it, per
   sequence (models/router_balance.py), its prompts packed with each response.
 """
@@ -45,6 +48,12 @@ class Architecture:
     dropout: tuple[str, ...]  # the config's dropout keys above 0
     router_balance: RouterBalance | None  # the MoE routers' load-balancing loss the config asks for
     vision_language: bool = False  # a vision tower reads the prompts' images (models/vision.py)
+    full_attention: bool = True  # every layer attends to every key before it (no window, chunk or recurrent state)
+
+    @property
+    def shares_batch_prefix(self) -> bool:
+        """Whether the hf engine may prefill a batch's common prompt prefix once (the module's docstring)."""
+        return self.full_attention and not self.vision_language
 
     @property
     def shares_prompts(self) -> bool:
@@ -57,6 +66,9 @@ def read_architecture(hf_config: PretrainedConfig) -> Architecture:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
     dropout = tuple(key for key in DROPOUT_KEYS if isinstance(getattr(text, key, None), float) and getattr(text, key) > 0)
+    layer_types = getattr(text, "layer_types", None)
+    full_attention = (all(kind == "full_attention" for kind in layer_types) if layer_types else getattr(text, "sliding_window", None) is None
+                      ) and getattr(text, "attention_chunk_size", None) is None
     return Architecture(
         model_type=hf_config.model_type,
         recurrent_layers=LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()),
@@ -64,6 +76,7 @@ def read_architecture(hf_config: PretrainedConfig) -> Architecture:
         dropout=dropout,
         router_balance=router_balance(text),
         vision_language=is_vision_language(hf_config),
+        full_attention=full_attention,
     )
 
 

@@ -170,34 +170,57 @@ def decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention
     return Decoded(tokens, log_probs, versions, drawn, live.tolist())
 
 
-def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int, images: Sequence[Images | None] | None = None
-            ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor]:
+def common_prefix_length(prompts: Sequence[list[int]]) -> int:
+    """The tokens every prompt begins with, short of the shortest prompt's last: each keeps a token to prefill."""
+    shortest = min(map(len, prompts))
+    for length, tokens in enumerate(zip(*(ids[: shortest - 1] for ids in prompts))):
+        if any(token != tokens[0] for token in tokens):
+            return length
+    return shortest - 1
+
+
+def prefill(model: PreTrainedModel, prompts: Sequence[list[int]], pad_id: int, images: Sequence[Images | None] | None = None,
+            share_prefix: bool = False) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The key/value cache of `prompts` left-padded to one width, each one's next-token logits, the attention mask,
     and each one's next position (a vision-language model's prompt `images` with their 3-D positions; a text
     token's position is one past the largest before it).
 
+    With `share_prefix` (a model whose every layer attends to all earlier keys: Architecture.shares_batch_prefix)
+    the prefix that all of a text batch's prompts begin with (a chat template's opening, a system prompt, a shared
+    instruction) is forwarded once and its keys and values copied to every row; the rest of each prompt follows it,
+    padded between the two, masked there and positioned after the prefix: the same cache as each prompt's own.
+
     The cache's rows are chosen (repeated, selected) by `reorder_cache`, which every cache layer has, those with a
     recurrent state (linear attention) included; batch_select_indices and batch_repeat_interleave are key/value
     layers' only."""
-    width = max(map(len, prompts))
-    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompts], device=model.device)
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
+    keyword, device = cache_keyword(model), model.device
+    with_images = images is not None and any(i is not None for i in images)
+    shared = common_prefix_length(prompts) if share_prefix and len(prompts) > 1 and not with_images else 0
+    rests = [ids[shared:] for ids in prompts]
+    width = max(map(len, rests))
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in rests], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rests], device=device)
     extra = {}
-    if images is not None and any(i is not None for i in images):
+    if with_images:
         positions = torch.zeros(3, len(prompts), width, dtype=torch.long)
         for row, (ids, image) in enumerate(zip(prompts, images)):
             positions[:, row, width - len(ids) :] = image.positions_through(len(ids)) if image is not None else torch.arange(len(ids))
-        positions = positions.to(model.device)
+        positions = positions.to(device)
         following = positions.amax(dim=(0, 2)) + 1
-        extra = {name: torch.cat([i.inputs[name] for i in images if i is not None]).to(model.device) for name in IMAGE_INPUTS}
+        extra = {name: torch.cat([i.inputs[name] for i in images if i is not None]).to(device) for name in IMAGE_INPUTS}
     else:
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        following = attention_mask.sum(-1)
+        positions = shared + (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        following = shared + attention_mask.sum(-1)
+    if shared:
+        prefix = torch.tensor([prompts[0][:shared]], device=device)
+        extra[keyword] = model(input_ids=prefix, position_ids=torch.arange(shared, device=device)[None], use_cache=True)[keyword]
+        extra[keyword].reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=device))
+        attention_mask = torch.cat([attention_mask.new_ones(len(prompts), shared), attention_mask], dim=1)
     # the last position as an index tensor, not logits_to_keep=1: its slice of the hidden states is not contiguous,
     # and torch.matmul then copies the output layer's weight once per row of the batch
     output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                   logits_to_keep=torch.tensor([width - 1], device=model.device), **extra)
-    return output[cache_keyword(model)], output.logits[:, -1], attention_mask, following
+                   logits_to_keep=torch.tensor([width - 1], device=device), **extra)
+    return output[keyword], output.logits[:, -1], attention_mask, following
 
 
 @torch.no_grad()
@@ -205,19 +228,20 @@ def generate(
     model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, batch_size: int, end_ids: list[int],
     pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, do_sample: bool = True,
     calculate_log_probs: bool = False, tree: dict[tuple[int, ...], list[int]] | None = None, refresh: WeightsRefresh | None = None,
-    images: Sequence[Images | None] | None = None, placeholder_ids: Sequence[int] = (),
+    images: Sequence[Images | None] | None = None, placeholder_ids: Sequence[int] = (), share_prefix: bool = False,
 ) -> list[Generation]:
     """`n` responses to each prompt (n in a row), in left-padded batches. Each distinct prompt of a batch is
     prefilled once and its key/value cache copied to its responses: on a CPU, prefilling n copies of a prompt costs
     more than decoding the answers. Sampling follows the rollout's temperature, top-k and top-p only (not the
     model's generation_config), the distribution whose log-probs the trainer computes. With `refresh` (partial
     rollouts), each response token carries the version of the weights that drew it. A vision-language model's
-    prompt `images` (one a prompt, None for a text prompt) are prefilled with their prompts."""
+    prompt `images` (one a prompt, None for a text prompt) are prefilled with their prompts. `share_prefix`: a
+    batch's common prompt prefix is prefilled once (`prefill`)."""
     warp = warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     generations = []
     for distinct, copies in group_batches(list(zip(prompts, images or [None] * len(prompts))), n, batch_size):
         distinct_ids, distinct_images = [ids for ids, _ in distinct], [image for _, image in distinct]
-        cache, logits, attention_mask, positions = prefill(model, distinct_ids, pad_id, distinct_images)
+        cache, logits, attention_mask, positions = prefill(model, distinct_ids, pad_id, distinct_images, share_prefix)
         cache.reorder_cache(torch.arange(len(distinct), device=logits.device).repeat_interleave(copies))
         batch = [ids for ids in distinct_ids for _ in range(copies)]
         decoded = decode(model, cache, logits.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0),
@@ -233,17 +257,17 @@ def generate(
 
 @torch.no_grad()
 def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, end_ids: list[int], pad_id: int,
-                tree: dict[tuple[int, ...], list[int]] | None, batch_size: int) -> list[Generation]:
+                tree: dict[tuple[int, ...], list[int]] | None, batch_size: int, share_prefix: bool = False) -> list[Generation]:
     """Each prompt's `n` beams, best first, through the first end token: transformers' beam search (no sampling, no
     length penalty, early stopping; a beam's score the sum of its tokens' log-probs under the full softmax) with a
     catalog's prefix `tree` as its prefix constraint, in batches of batch_size // n prompts. Our own loop over
     transformers' model and cache because generate forwards each prompt once per beam: at 10 beams and 80-token
-    prompts that is nine tenths of an evaluation's compute."""
+    prompts that is nine tenths of an evaluation's compute. `share_prefix` as `prefill`'s."""
     generations = []
     per_search = max(batch_size // n, 1)
     for first in range(0, len(prompts), per_search):
         batch = prompts[first : first + per_search]
-        cache, logits, attention_mask, positions = prefill(model, batch, pad_id)
+        cache, logits, attention_mask, positions = prefill(model, batch, pad_id, share_prefix=share_prefix)
         cache.reorder_cache(torch.arange(len(batch), device=logits.device).repeat_interleave(n))
         tokens, finished = search_beams(model, cache, logits.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0),
                                         positions.repeat_interleave(n, 0), n, max_new_tokens, end_ids, pad_id, tree)
@@ -324,10 +348,11 @@ class HFRollout:
     """The policy's rollout engine: a plain copy of the model on this rank's device, in `dtype`."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype | str, pad_id: int, trust_remote_code: bool = False,
-                 free_cache_engine: bool = True, beams: bool = False, catalog_file: str | None = None):
+                 free_cache_engine: bool = True, beams: bool = False, catalog_file: str | None = None, enable_prefix_caching: bool = True):
         # SDPA on accelerators where transformers implements the model with it (gpt-oss's sinks it does not)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        attention = "sdpa" if device.type != "cpu" and read_architecture(config).supports_sdpa else GROUPED_ATTENTION
+        architecture = read_architecture(config)
+        attention = "sdpa" if device.type != "cpu" and architecture.supports_sdpa else GROUPED_ATTENTION
         self.model = model_class(config, AutoModelForCausalLM).from_pretrained(path, dtype=dtype, attn_implementation=attention_setting(config, attention),
                                                                               trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
@@ -343,6 +368,7 @@ class HFRollout:
         self.beams = beams  # rollout.beam_search: each prompt's n responses are its n beams (rollout/beams.py)
         self.catalog = None
         self.refresh: WeightsRefresh | None = None  # partial rollouts: newer weights taken between two tokens
+        self.share_prefix = enable_prefix_caching and architecture.shares_batch_prefix  # prefill a batch's common prefix once
         if catalog_file:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.catalog = catalog_tree(read_catalog(catalog_file, "actor_rollout_ref.rollout.catalog_file"), tokenizer,
@@ -352,9 +378,9 @@ class HFRollout:
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False,
                  images: Sequence[Images | None] | None = None) -> list[Generation]:
         if self.beams:
-            return beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog, batch_size)
+            return beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog, batch_size, self.share_prefix)
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
-                        calculate_log_probs, self.catalog, self.refresh, images, self.placeholder_ids)
+                        calculate_log_probs, self.catalog, self.refresh, images, self.placeholder_ids, self.share_prefix)
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -390,10 +416,11 @@ class HFSettings:
 
     beam_search: bool = False  # a prompt's n responses are its n beams (rollout/beams.py)
     catalog_file: str | None = None  # responses constrained to its items
+    enable_prefix_caching: bool = True  # a batch's common prompt prefix prefilled once (where the architecture allows)
 
 
 @ROLLOUT_ENGINES.register("hf", info=EngineInfo(HFSettings, beams=True, constrained=True, images=True))
 def build_hf_rollout(spec: EngineSpec) -> HFRollout:
     settings: HFSettings = spec.settings
     return HFRollout(spec.path, spec.device, spec.dtype, spec.pad_id, spec.trust_remote_code, spec.free_cache_engine, settings.beam_search,
-                     settings.catalog_file)
+                     settings.catalog_file, settings.enable_prefix_caching)

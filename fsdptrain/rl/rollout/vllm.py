@@ -37,6 +37,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     enforce_eager: bool = True
+    enable_prefix_caching: bool = True
     load_format: str = "auto"  # dummy: random weights until the trainer's first sync
 
 
@@ -126,7 +127,7 @@ class VLLMRollout:
             model=path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max(settings.max_num_batched_tokens, max_model_len), enable_chunked_prefill=settings.enable_chunked_prefill,
-            enforce_eager=settings.enforce_eager, load_format=settings.load_format, enable_sleep_mode=self.sleeps,
+            enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.enable_prefix_caching, load_format=settings.load_format, enable_sleep_mode=self.sleeps,
             distributed_executor_backend="external_launcher" if distributed else None, trust_remote_code=trust_remote_code,
             tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # after temperature, top-k and top-p: the distribution sampled from
