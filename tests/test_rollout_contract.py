@@ -39,6 +39,20 @@ def test_a_built_engine_is_a_rollout_engine(tiny_llama):
     assert generation.prompt_ids == [5, 17, 42] and len(generation.response_ids) == len(generation.response_mask) <= 4
 
 
+def assert_plain_greedy_answers(engine: HFRollout, generations: list, max_new_tokens: int) -> None:
+    """Each greedy answer is transformers' generate on its prompt alone, unpadded, through its first end token, and
+    its log-probs those of one forward pass over prompt and answer."""
+    for g in generations:
+        alone = engine.model.generate(torch.tensor([g.prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2,
+                                      eos_token_id=engine.end_ids)[0, len(g.prompt_ids):].tolist()
+        end = next((i + 1 for i, t in enumerate(alone) if t in engine.end_ids), len(alone))
+        assert g.response_ids == alone[:end], g.prompt_ids
+        ids = torch.tensor([g.prompt_ids + g.response_ids])
+        logits = engine.model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(g.prompt_ids) :, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(g.log_probs), expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("batch_size", [1, 2, 4, 7])
 def test_hf_engine_answers_as_plain_generate_whatever_the_batching(tiny_llama, batch_size):
     """Each prompt is prefilled once for its n responses, its cache copied to them, and groups are cut to fit the
@@ -48,15 +62,7 @@ def test_hf_engine_answers_as_plain_generate_whatever_the_batching(tiny_llama, b
     prompts = [[5, 17, 42, 8, 9], [7], [11, 12, 13], [30, 31, 32, 33, 34, 35, 36]]
     generations = engine.generate(prompts, n=3, max_new_tokens=6, batch_size=batch_size, do_sample=False, calculate_log_probs=True)
     assert [g.prompt_ids for g in generations] == [p for p in prompts for _ in range(3)]
-    for g in generations:
-        alone = engine.model.generate(torch.tensor([g.prompt_ids]), max_new_tokens=6, do_sample=False, pad_token_id=2,
-                                      eos_token_id=engine.end_ids)[0, len(g.prompt_ids):].tolist()
-        end = next((i + 1 for i, t in enumerate(alone) if t in engine.end_ids), len(alone))
-        assert g.response_ids == alone[:end], g.prompt_ids
-        ids = torch.tensor([g.prompt_ids + g.response_ids])
-        logits = engine.model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
-        expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(g.prompt_ids) :, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(g.log_probs), expected, rtol=0, atol=1e-5)
+    assert_plain_greedy_answers(engine, generations, max_new_tokens=6)
 
 
 def test_hf_engine_prefills_a_batchs_common_prefix_once(tiny_llama):
@@ -71,15 +77,7 @@ def test_hf_engine_prefills_a_batchs_common_prefix_once(tiny_llama):
         engine.model.get_input_embeddings().register_forward_pre_hook(lambda module, args, seen=forwarded: seen.append(args[0].numel()))
         generations = engine.generate(batch, n=2, max_new_tokens=6, batch_size=8, do_sample=False, calculate_log_probs=True)
         assert forwarded[0] == first_forward, (caching, len(batch), forwarded[:2])
-        for g in generations:
-            alone = engine.model.generate(torch.tensor([g.prompt_ids]), max_new_tokens=6, do_sample=False, pad_token_id=2,
-                                          eos_token_id=engine.end_ids)[0, len(g.prompt_ids):].tolist()
-            end = next((i + 1 for i, t in enumerate(alone) if t in engine.end_ids), len(alone))
-            assert g.response_ids == alone[:end], g.prompt_ids
-            ids = torch.tensor([g.prompt_ids + g.response_ids])
-            logits = engine.model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(g.prompt_ids) :, None]).squeeze(1)
-            torch.testing.assert_close(torch.tensor(g.log_probs), expected, rtol=0, atol=1e-5)
+        assert_plain_greedy_answers(engine, generations, max_new_tokens=6)
 
 
 def test_hf_engine_rows_that_end_early_leave_the_others_right(tiny_llama):
