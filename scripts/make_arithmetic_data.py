@@ -1,6 +1,6 @@
 """Verifiable arithmetic tasks as SFT and RL parquet files, or a GSM8K-style file converted to both layouts.
 
-    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--reworded 0] [--seed 0] [--operations plus,minus,times] [--system TEXT] [--answer worked|short]
+    python scripts/make_arithmetic_data.py OUT_DIR [--train 2000] [--val 200] [--test 500] [--reworded 0] [--seed 0] [--operations plus,minus,times] [--system TEXT] [--answer worked|short] [--no-instruction]
     python scripts/make_arithmetic_data.py OUT_DIR --from-gsm8k train.parquet [test.parquet ...]
 
 Tasks mix addition, subtraction and multiplication of 1- to 3-digit numbers (or those of --operations), with the
@@ -12,7 +12,8 @@ Writes, for each split (train, val, test; or each GSM8K file by its name):
 With --reworded N, a fourth split, `reworded`: N held-out problems asked in other words than the training
 prompts' (other phrasings of the question and of the instruction, the answer still after `####`), to show that
 what training taught is the arithmetic rather than one phrasing. No problem appears in two splits, whatever its
-wording. GSM8K-style input has `question` and `answer` columns, the answer ending `#### n`; its data_source is
+wording. With --no-instruction every prompt is its question alone (the SFT answers still teach the `####` format).
+GSM8K-style input has `question` and `answer` columns, the answer ending `#### n`; its data_source is
 openai/gsm8k, so the built-in strict `####` reward scores it.
 With --system every chat starts with that system message: an empty one replaces a chat template's default
 (SmolLM2's is 16 tokens, paid in every prefill, update and evaluation).

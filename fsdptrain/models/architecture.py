@@ -71,7 +71,7 @@ def read_architecture(hf_config: PretrainedConfig) -> Architecture:
                       ) and getattr(text, "attention_chunk_size", None) is None
     return Architecture(
         model_type=hf_config.model_type,
-        recurrent_layers=LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()),
+        recurrent_layers=LINEAR_ATTENTION in (layer_types or ()),
         supports_sdpa=model_class is None or bool(getattr(model_class, "_supports_sdpa", False)),
         dropout=dropout,
         router_balance=router_balance(text),
