@@ -120,7 +120,8 @@ def as_trained(folder: str, packed: bool, reference: torch.nn.Module) -> torch.n
 
 
 def test_rows_become_the_processors_ids_and_every_path_gives_a_plain_forwards_log_probs(vl_folder, tmp_path):
-    rows = chats()
+    # the last row asks the first row's question of another image of its size: the same ids, other patches
+    rows = chats() + [{**chats()[0], "images": [{"bytes": picture(9, 20, 28), "path": None}]}]
     samples = sft_data(vl_folder, write_rows(tmp_path / "chat.parquet", rows))
     reference = plain(vl_folder)
     expected = []
@@ -131,11 +132,14 @@ def test_rows_become_the_processors_ids_and_every_path_gives_a_plain_forwards_lo
         with torch.no_grad():
             logits = reference(**inputs).logits[0]
         expected.append(logits[:-1].log_softmax(-1).gather(1, sample.input_ids[1:, None]).squeeze(1)[sample.loss_mask[1:].bool()])
-    # a group sharing an image prompt (an RL group's layout): two responses after the first sample's user turn
+    # groups sharing an image prompt (an RL group's layout): two responses after the first sample's user turn, then
+    # two after the last sample's, whose ids are the same: only its image tells the two groups apart
     prompt_length = int(samples[0].loss_mask.nonzero()[0])
-    shared = [Sample(torch.cat([samples[0].input_ids[:prompt_length], torch.tensor(response)]),
+    assert torch.equal(samples[0].input_ids, samples[-1].input_ids)
+    shared = [Sample(torch.cat([owner.input_ids[:prompt_length], torch.tensor(response)]),
                      torch.cat([torch.zeros(prompt_length, dtype=torch.long), torch.ones(len(response), dtype=torch.long)]),
-                     shared_prefix=prompt_length, images=samples[0].images) for response in ([5, 9, 13, 2], [40, 41])]
+                     shared_prefix=prompt_length, images=owner.images)
+              for owner in (samples[0], samples[-1]) for response in ([5, 9, 13, 2], [40, 41])]
     for sample in shared:
         with torch.no_grad():
             inputs = {"input_ids": sample.input_ids[None], "mm_token_type_ids": (sample.input_ids == reference.config.image_token_id).int()[None],

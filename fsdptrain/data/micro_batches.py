@@ -107,16 +107,30 @@ def _shifted(sample: Sample) -> dict[str, torch.Tensor]:
     return targets
 
 
-def shareable_prefix(sample: Sample) -> torch.Tensor | None:
-    """The ids a packed row may hold once for the samples after this one, or None."""
-    return sample.input_ids[: sample.shared_prefix] if sample.shared_prefix else None
+SharedPrompt = tuple[torch.Tensor, dict[str, torch.Tensor] | None]  # a prompt's ids and its images' inputs
 
 
-def shares_prompt(sample: Sample, prompt: torch.Tensor | None) -> bool:
+def shareable_prefix(sample: Sample) -> SharedPrompt | None:
+    """The prompt (ids and images) a packed row may hold once for the samples after this one, or None."""
+    return (sample.input_ids[: sample.shared_prefix], sample.images) if sample.shared_prefix else None
+
+
+def shares_prompt(sample: Sample, prompt: SharedPrompt | None) -> bool:
     """Whether `sample` begins with `prompt` (an earlier sample's shareable prefix) and has tokens after it: a
-    packed row that holds the prompt already holds only the rest of it."""
+    packed row that holds the prompt already holds only the rest of it. The images count as much as the ids: two
+    groups asking the same question of different images (the same text, the same count of image tokens) are two
+    prompts."""
     p = sample.shared_prefix
-    return prompt is not None and 0 < p < len(sample) and torch.equal(sample.input_ids[:p], prompt)
+    if prompt is None or not 0 < p < len(sample):
+        return False
+    ids, images = prompt
+    return torch.equal(sample.input_ids[:p], ids) and same_images(sample.images, images)
+
+
+def same_images(first: dict[str, torch.Tensor] | None, second: dict[str, torch.Tensor] | None) -> bool:
+    if first is None or second is None:
+        return first is second
+    return first is second or (first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first))
 
 
 def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1, share_prefixes: bool = False) -> MicroBatch:
