@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE]), default="llama")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", choices=["smollm2", "trained"], default="smollm2")
+    parser.add_argument("--layers", type=int, default=2, help="a vision-language model's decoder layers")
+    parser.add_argument("--width", type=int, default=64, help="a vision-language model's decoder width (its tower half of it)")
     args = parser.parse_args()
     transformers.logging.disable_progress_bar()
     if args.tokenizer == "smollm2":
@@ -160,7 +162,7 @@ def main() -> None:
         tokenizer = trained_tokenizer()
         ids = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if args.arch in VISION_LANGUAGE:
-        tiny_vision_language(args.arch, tokenizer, args.seed, args.out)
+        tiny_vision_language(args.arch, tokenizer, args.seed, args.out, args.layers, args.width)
     else:
         tiny_model(args.arch, len(tokenizer), args.seed, **ids).save_pretrained(args.out)
         tokenizer.save_pretrained(args.out)

@@ -1,6 +1,7 @@
 """The smoke scripts pass on a healthy trainer and name the check that fails on one that does not learn; the arithmetic data's operations."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -84,8 +85,6 @@ def test_no_instruction_asks_the_same_questions_without_it(tmp_path):
 
 
 def test_reworded_split_asks_held_out_problems_in_other_words(tmp_path):
-    import re
-
     import pyarrow.parquet as pq
 
     subprocess.run([sys.executable, "scripts/make_arithmetic_data.py", str(tmp_path), "--train", "300", "--val", "50", "--test", "50",
@@ -126,3 +125,13 @@ def test_quickstart_refuses_an_empty_held_out_set_before_training(tmp_path, vari
                             env={**os.environ, "WORK": str(tmp_path), variable: "0"})
     assert result.returncode != 0 and f"quickstart: {variable} must be a positive number of problems, got '0'" in result.stderr
     assert not (tmp_path / "sft").exists() and not (tmp_path / "data").exists()
+
+
+def test_the_vision_task_trains_sft_then_grpo_and_reports_the_paired_gain(tmp_path):
+    """scripts/vision_task.sh end to end at toy sizes: data, model, SFT, GRPO with images, both evaluated."""
+    sizes = {"WORK": str(tmp_path), "SFT_STEPS": "2", "GRPO_STEPS": "1", "GRPO_PROMPTS": "4", "TEST_ROWS": "8", "LAYERS": "1", "WIDTH": "64"}
+    result = subprocess.run(["bash", "scripts/vision_task.sh"], cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **sizes})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"GRPO - SFT on the same images: [+-]\d\.\d{3} ± \d\.\d{3}", result.stdout), result.stdout[-2000:]
+    for name in ("sft", "grpo"):
+        assert len((tmp_path / "eval" / f"{name}.jsonl").read_text().splitlines()) == 8
