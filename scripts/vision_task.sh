@@ -6,12 +6,12 @@
 # held-out accuracy on the same images with GRPO's paired gain (docs/results.md).
 #   bash scripts/vision_task.sh
 # Sizes are environment variables: WORK (runs/vision_task), SEED (0: the images', the model's and the runs'),
-# SFT_STEPS (500), SFT_LR (1e-3), GRPO_STEPS (150), GRPO_PROMPTS (32 a step, 8 responses each), GRPO_LR (3e-4),
+# SFT_STEPS (750), SFT_LR (1e-3), GRPO_STEPS (150), GRPO_PROMPTS (32 a step, 8 responses each), GRPO_LR (3e-4),
 # TEST_ROWS (500), LAYERS (4) and WIDTH (128, the decoder's; the tower is half as wide), NPROC (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-WORK=${WORK:-runs/vision_task} SEED=${SEED:-0} SFT_STEPS=${SFT_STEPS:-500} SFT_LR=${SFT_LR:-1e-3} GRPO_STEPS=${GRPO_STEPS:-150}
+WORK=${WORK:-runs/vision_task} SEED=${SEED:-0} SFT_STEPS=${SFT_STEPS:-750} SFT_LR=${SFT_LR:-1e-3} GRPO_STEPS=${GRPO_STEPS:-150}
 GRPO_PROMPTS=${GRPO_PROMPTS:-32} GRPO_LR=${GRPO_LR:-3e-4} TEST_ROWS=${TEST_ROWS:-500} LAYERS=${LAYERS:-4} WIDTH=${WIDTH:-128} NPROC=${NPROC:-2}
 bash scripts/setup.sh smollm2
 rm -rf "$WORK"
