@@ -6,7 +6,8 @@ package can't go (a GPU box without internet: the GGUF is 98 MB) from a folder i
 SMOLLM2_TOKENIZER_DIR. `--tokenizer trained` instead learns a small byte-level BPE vocabulary on the spot (any
 text still encodes, byte by byte) with a ChatML chat template: no package, and a model whose output layer is small.
     python scripts/make_tiny.py OUT_DIR [--arch llama|qwen2|qwen3_moe|gpt_oss|qwen2_5_vl|...] [--seed 0] [--tokenizer smollm2|trained]
-A vision-language type (qwen2_5_vl, qwen3_vl, qwen3_vl_moe, glm4v) comes with a small vision tower and its image processor.
+A vision-language type (qwen2_5_vl, qwen3_vl, qwen3_vl_moe, glm4v) comes with a small vision tower and its image processor,
+its decoder `--layers` deep (2) and `--width` wide (64), the tower half as wide.
 """
 
 import argparse

@@ -128,9 +128,11 @@ def shares_prompt(sample: Sample, prompt: SharedPrompt | None) -> bool:
 
 
 def same_images(first: dict[str, torch.Tensor] | None, second: dict[str, torch.Tensor] | None) -> bool:
+    if first is second:  # a group's samples hold one images dict
+        return True
     if first is None or second is None:
-        return first is second
-    return first is second or (first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first))
+        return False
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
 def collate_packed(samples: Sequence[Sample], pad_to_multiple: int = 1, share_prefixes: bool = False) -> MicroBatch:
