@@ -10,6 +10,7 @@ import io
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -245,6 +246,44 @@ def rl_rows(count: int) -> list[dict]:
     return rows
 
 
+IMAGE_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, images=None):
+    return {"score": float(len(images)), "first_red": float(images[0].getpixel((0, 0))[0]) if images else -1.0,
+            "first_width": float(images[0].size[0]) if images else -1.0}
+"""
+
+
+def test_a_reward_function_that_asks_for_images_is_given_each_rows_images(tmp_path):
+    """A reward function with an `images` parameter gets its prompt's images (RGB, in their marks' order; none
+    for a text row), on its own and as a reward source; one without it is called as verl calls it."""
+    from fsdptrain.rl.data import load_prompts
+    from fsdptrain.rl.rewards import load_reward_function, load_reward_sources, score_responses, weighted_sources
+    from fsdptrain.rl.rollout.base import Generation
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    rows = rl_rows(4)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reader = image_reader(str(folder), "model", "images", tokenizer, AutoConfig.from_pretrained(folder), False)
+    prompts = load_prompts([write_rows(tmp_path / "rl.parquet", rows)], tokenizer, images=reader)
+    (tmp_path / "reward.py").write_text(IMAGE_REWARD + RL_REWARD.replace("def compute_score", "def text_only"))
+    responses = [Generation(p.ids, tokenizer("2 + 2 = 4", add_special_tokens=False)["input_ids"], [1] * 7, None, False) for p in prompts]
+    want = []
+    for row in rows:
+        first = Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB") if row["images"] else None
+        want.append({"score": float(len(row["images"])), "first_red": float(first.getpixel((0, 0))[0]) if first else -1.0,
+                     "first_width": float(first.size[0]) if first else -1.0})
+    assert [len(row["images"]) for row in rows] == [1, 2, 1, 0]
+    seeing = load_reward_function(str(tmp_path / "reward.py"), None)
+    scored = score_responses(seeing, tokenizer, prompts, responses, [0, 1, 2, 3], "")
+    assert [{k: s[k] for k in want[0]} for s in scored] == want
+    sources = weighted_sources(load_reward_sources([SimpleNamespace(name="seen", path=str(tmp_path / "reward.py"), function="compute_score",
+                                                                    weight=2.0)]))
+    assert [s["score"] for s in score_responses(sources, tokenizer, prompts, responses, [0, 1, 2, 3], "")] == [2 * w["score"] for w in want]
+    blind = load_reward_function(str(tmp_path / "reward.py"), "text_only")
+    assert all(s["acc"] == 1.0 for s in score_responses(blind, tokenizer, prompts, responses, [0, 1, 2, 3], ""))
+
+
 def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution(vl_folder, tmp_path):
     """Image and text prompts in one batch, n responses each from one prefill: each sampled token's log-prob is a
     plain forward's, and so is the trainer's, from the responses packed after their shared prompt."""
@@ -298,13 +337,15 @@ def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactl
     data.mkdir()
     write_rows(data / "rl_train.parquet", rl_rows(16))
     write_rows(data / "rl_val.parquet", rl_rows(4))
-    (data / "reward.py").write_text(RL_REWARD)
+    (data / "reward.py").write_text(RL_REWARD + "\n\ndef seeing(data_source, solution_str, ground_truth, extra_info=None, images=None):\n"
+                                    "    return {**compute_score(data_source, solution_str, ground_truth), 'image_count': float(len(images))}\n")
     common = dict(data__max_prompt_length=256, actor_rollout_ref__model__fsdp_config__model_dtype="fp32", actor_rollout_ref__actor__use_kl_loss="true",
-                  trainer__save_freq=1, trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]")
+                  trainer__save_freq=1, trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model]", custom_reward_function__name="seeing")
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, straight, **common, trainer__rollout_data_dir=f"{straight}/rollouts"))
     dumped = [json.loads(line) for line in open(f"{straight}/rollouts/1.jsonl")]
     assert len(dumped) == 16 and sum("image_grid_thw" in row for row in dumped) == 12  # every fourth prompt is text only
+    assert [row["image_count"] for row in dumped] == [len(row.get("image_grid_thw", [])) for row in dumped]  # the reward saw them
     metrics = read_metrics(straight)
     assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["prompt_length/max"] > 30  # image tokens in the prompts
     assert "val-core/shapes/acc/mean@1" in metrics[-1] or any(k.startswith("val-core/") for k in metrics[-1])

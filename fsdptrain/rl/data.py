@@ -26,15 +26,17 @@ class Prompt:
     extra_info: dict = field(default_factory=dict)
     agent_name: str | None = None  # the row's agent loop (rl/agent/loop.py's AGENT_LOOPS); None: the run's default
     images: Images | None = None  # a vision-language model's images of the prompt
+    stored_images: list | None = None  # those images as the row stores them (bytes, paths or dicts of them): a reward may read them
 
 
 def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict, tools: list[dict] | None,
                 reader: ImageReader | None) -> Prompt:
     messages = columns["prompt"][row]
     messages = normalize_messages(messages, require_assistant=False)
-    images = None
+    images = stored = None
     if reader is not None:
-        images = reader.read(columns[reader.key][row] if reader.key in columns else None, [m["content"] for m in messages])
+        stored = list(columns[reader.key][row] or []) if reader.key in columns else []
+        images = reader.read(stored, [m["content"] for m in messages])
     if "reward_model" in columns:
         reward_model = columns["reward_model"][row] or {}
         ground_truth = reward_model.get("ground_truth")
@@ -55,7 +57,7 @@ def _row_prompt(columns: dict, row: int, tokenizer: PreTrainedTokenizerBase, tem
     agent_name = columns["agent_name"][row] if "agent_name" in columns else None
     if agent_name is not None and (not isinstance(agent_name, str) or not agent_name):
         raise RowError(f"agent_name must be a non-empty string or null, got {agent_name!r}")
-    return Prompt(ids, messages, data_source, ground_truth, dict(extra_info or {}), agent_name, images)
+    return Prompt(ids, messages, data_source, ground_truth, dict(extra_info or {}), agent_name, images, stored or None)
 
 
 def load_prompts(

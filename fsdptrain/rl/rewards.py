@@ -2,7 +2,9 @@
 
 Every reward function has verl's signature, `compute_score(data_source, solution_str, ground_truth, extra_info)`,
 and returns a float or a dict with a `score` key (an `acc` key, where given, is the sample's accuracy; other keys
-are logged). The GRPO trainer's validation and `python -m fsdptrain.evaluate` call the same functions.
+are logged). A function with a parameter named `images` (TRL's name) is also given the row's images, as RGB PIL
+images in the order of its `<image>` marks (none for a text row). The GRPO trainer's validation and
+`python -m fsdptrain.evaluate` call the same functions.
 """
 
 import functools
@@ -15,8 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
+from fsdptrain.data.images import open_image
 from fsdptrain.errors import UserError
 from fsdptrain.registry import Registry
 from fsdptrain.rl.data import Prompt
@@ -223,10 +227,11 @@ def weighted_sources(sources: Sequence[RewardSource]) -> RewardFn:
     """One reward function of verl's signature over several sources: `score` is the weighted sum of their scores,
     `acc` the first source's, and each source's own score is kept as `source/NAME`."""
 
-    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                      images: list[Image.Image] | None = None) -> dict:
         result = {"score": 0.0}
         for source in sources:
-            scores = score_sample(source.fn, data_source, solution_str, ground_truth, extra_info, f"reward source {source.name!r}")
+            scores = score_sample(source.fn, data_source, solution_str, ground_truth, extra_info, f"reward source {source.name!r}", images)
             result["score"] += source.weight * scores["score"]
             result.setdefault("acc", scores["acc"])
             result[f"{SOURCE}{source.name}"] = scores["score"]
@@ -239,8 +244,9 @@ def entry_sources(fn: RewardFn, keys: Sequence[str]) -> RewardFn:
     """verl's GDPO sources (algorithm.gdpo_reward_keys): entries of one reward function's dict, each kept as
     `source/KEY`; `score` and `acc` stay the function's own."""
 
-    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
-        scores = score_sample(fn, data_source, solution_str, ground_truth, extra_info, "a response")
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                      images: list[Image.Image] | None = None) -> dict:
+        scores = score_sample(fn, data_source, solution_str, ground_truth, extra_info, "a response", images)
         if missing := [key for key in keys if key not in scores]:
             raise RewardError(f"algorithm.gdpo_reward_keys: the reward function returned no {', '.join(missing)} (its entries: "
                               f"{', '.join(sorted(scores))}); return a dict with each key")
@@ -252,17 +258,34 @@ def entry_sources(fn: RewardFn, keys: Sequence[str]) -> RewardFn:
 def with_extra_info(fn: RewardFn, extra: dict[str, Any]) -> RewardFn:
     """`fn`, each call's extra_info gaining `extra` (verl's GDPO reward manager's trainer.experiment_name)."""
 
-    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> Any:
-        return fn(data_source, solution_str, ground_truth, {**(extra_info or {}), **extra})
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                      images: list[Image.Image] | None = None) -> Any:
+        return call(fn, data_source, solution_str, ground_truth, {**(extra_info or {}), **extra}, images)
 
     return compute_score
 
 
-def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: Any, extra_info: dict | None, sample: str) -> dict:
+def asks_for_images(fn: RewardFn) -> bool:
+    """Whether a reward function takes a row's images: it has a parameter named `images`."""
+    try:
+        return "images" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return False
+
+
+def call(fn: RewardFn, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None, images: list[Image.Image] | None) -> Any:
+    """`fn` on one sample, given its images where it asks for them."""
+    if images is not None and asks_for_images(fn):
+        return fn(data_source, solution_str, ground_truth, extra_info, images=images)
+    return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: Any, extra_info: dict | None, sample: str,
+                 images: list[Image.Image] | None = None) -> dict:
     """The reward of one sample as a dict with a float `score` (and `acc`: the given one, else score > 0); a failure
     or a result that is not a finite number raises naming the sample, never a silent 0."""
     try:
-        result = fn(data_source, response, ground_truth, extra_info)
+        result = call(fn, data_source, response, ground_truth, extra_info, images)
     except Exception as e:
         raise RewardError(f"the reward function failed on {sample}: {type(e).__name__}: {e}") from e
     scores = dict(result) if isinstance(result, dict) else {"score": result}
@@ -282,8 +305,10 @@ def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: S
     tool and user turns, as verl decodes it) and the number of tokens the policy generated (`response_length`);
     response i answers prompts[group_ids[i]]. The row's `extra_info` gains the response's group (`group_responses`:
     the texts of its prompt's responses, in rollout order; `group_rank`: its place there, a beam's rank in beam
-    search) and a trajectory's AgentTrace.reward_info. `where` starts the name of a failing sample."""
+    search) and a trajectory's AgentTrace.reward_info. A function that asks for images gets the prompt's, read once a
+    prompt. `where` starts the name of a failing sample."""
     texts = [tokenizer.decode(response.response_ids, skip_special_tokens=True) for response in responses]
+    images: dict[int, list[Image.Image]] = {}
     groups: dict[int, list[str]] = {}
     for text, group in zip(texts, group_ids, strict=True):
         groups.setdefault(group, []).append(text)
@@ -294,7 +319,9 @@ def score_responses(fn: RewardFn, tokenizer: PreTrainedTokenizerBase, prompts: S
         extra_info = {**prompt.extra_info, "group_responses": groups[group], "group_rank": place}
         if response.trace is not None:
             extra_info.update(response.trace.reward_info())
-        scores = score_sample(fn, prompt.data_source, text, prompt.ground_truth, extra_info, sample)
+        if asks_for_images(fn) and group not in images:
+            images[group] = [open_image(value, i) for i, value in enumerate(prompt.stored_images or [])]
+        scores = score_sample(fn, prompt.data_source, text, prompt.ground_truth, extra_info, sample, images.get(group))
         scored.append({**scores, "response": text, "response_length": response.generated_tokens})
     return scored
 
