@@ -26,7 +26,7 @@ from fsdptrain.data.dataset import DataError, Sample, load_sft_samples
 from fsdptrain.data.images import image_reader
 from fsdptrain.data.micro_batches import collate_packed, collate_padded
 from fsdptrain.models.loading import build_on_meta
-from fsdptrain.models.loss import token_log_probs, token_nll_sum
+from fsdptrain.models.loss import token_log_probs, token_nll_sum, token_top_k
 from fsdptrain.trainer.sft_plan import plan_sft, read_sft_config
 
 import make_tiny
@@ -286,7 +286,8 @@ def test_a_reward_function_that_asks_for_images_is_given_each_rows_images(tmp_pa
 
 def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution(vl_folder, tmp_path):
     """Image and text prompts in one batch, n responses each from one prefill: each sampled token's log-prob is a
-    plain forward's, and so is the trainer's, from the responses packed after their shared prompt."""
+    plain forward's, and so are the trainer's and a distillation teacher's top-k, from the responses packed after
+    their shared prompt."""
     from fsdptrain.rl.agent.loop import SingleTurn
     from fsdptrain.rl.data import load_prompts
     from fsdptrain.rl.rollout.hf import HFRollout
@@ -303,7 +304,7 @@ def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution
     generations = SingleTurn(engine).generate(prompts, n=3, max_new_tokens=10, batch_size=6, calculate_log_probs=True)
     assert len(generations) == 12 and max(len(g.response_ids) for g in generations) > 5
     reference, processor = plain(vl_folder), AutoImageProcessor.from_pretrained(vl_folder)
-    expected = []
+    expected, expected_top = [], []
     for index, generation in enumerate(generations):
         ids = torch.tensor(generation.prompt_ids + generation.response_ids)
         inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == reference.config.image_token_id).int()[None]}
@@ -315,15 +316,20 @@ def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution
         want = logits[:-1].log_softmax(-1).gather(1, ids[1:, None]).squeeze(1)[len(generation.prompt_ids) - 1 :]
         torch.testing.assert_close(torch.tensor(generation.log_probs), want, atol=1e-4, rtol=0, msg=f"rollout: response {index}")
         expected.append(want)
+        expected_top.append(logits[len(generation.prompt_ids) - 1 : -1].log_softmax(-1).topk(3, dim=-1))
     samples = make_samples(generations, mask_truncated=False)
     model = as_trained(vl_folder, True, reference)
     batch = collate_packed(samples, share_prefixes=True)
     with torch.no_grad():
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16, token_rows=batch.token_rows)
+        top_values, top_ids = token_top_k(model, batch.inputs, batch.targets["labels"], 3, chunk_tokens=16, token_rows=batch.token_rows)
     start = 0
-    for index, (sample, want) in enumerate(zip(samples, expected)):
+    for index, (sample, want, (want_values, want_ids)) in enumerate(zip(samples, expected, expected_top)):
         got = log_probs.reshape(-1)[start : start + len(sample) - 1][sample.loss_mask[1:].bool()]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"trainer: response {index}")
+        # a distillation teacher's top-k, from the same packed row
+        torch.testing.assert_close(top_values[start : start + len(sample) - 1][sample.loss_mask[1:].bool()], want_values, atol=1e-4, rtol=0)
+        assert torch.equal(top_ids[start : start + len(sample) - 1][sample.loss_mask[1:].bool()], want_ids), f"top-k: response {index}"
         start += len(sample)
 
 
@@ -355,6 +361,38 @@ def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactl
     for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
         assert again[1][key] == pytest.approx(metrics[1][key], rel=1e-5, abs=1e-7), key
     assert_same_weights(hf_weights(f"{resumed}/global_step_2"), hf_weights(f"{straight}/global_step_2"), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_distillation_teacher_reads_the_policys_images(tmp_path, capsys):
+    """On-policy distillation of a vision-language policy on 2 processes with image and text prompts: a teacher that
+    is the policy's own folder gives a first step's top-k forward KL of 0 (a teacher shown other images, or none,
+    would not); a teacher of another architecture, which would read the images otherwise, is refused by check."""
+    from fsdptrain.check import main as check_main
+
+    from test_grpo import grpo_args
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rl_rows(8))
+    write_rows(data / "rl_val.parquet", rl_rows(4))
+    (data / "reward.py").write_text(RL_REWARD)
+    out = str(tmp_path / "run")
+    distilling = dict(data__max_prompt_length=256, actor_rollout_ref__model__fsdp_config__model_dtype="fp32", distillation__enabled="true",
+                      distillation__teacher_models__teacher_model__model_path=str(folder), distillation__distillation_loss__loss_mode="forward_kl_topk",
+                      trainer__total_training_steps=1, trainer__test_freq=-1)
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, out, **distilling))
+    (step,) = read_metrics(out)
+    assert step["prompt_length/max"] > 30 and step["actor/distillation/student_mass"] > 0.1  # image prompts, top-k mass to compare
+    assert abs(step["actor/distillation/loss"]) < 1e-5, step["actor/distillation/loss"]
+    other = tmp_path / "qwen3_vl"
+    make_tiny.tiny_vision_language("qwen3_vl", make_tiny.trained_tokenizer(), seed=0, out=str(other))
+    args = grpo_args(str(folder), data, str(tmp_path / "refused"), **{**distilling, "distillation__teacher_models__teacher_model__model_path": str(other)})
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 1
+    said = capsys.readouterr().err
+    assert f"distillation.teacher_models.teacher_model.model_path={str(other)!r} (qwen3_vl) does not read images as" in said, said
 
 
 def test_a_response_that_draws_an_image_token_ends_before_it(tmp_path):

@@ -126,3 +126,18 @@ def image_reader(path: str, path_key: str, key: str, tokenizer: PreTrainedTokeni
         raise ConfigError(f"{path_key}={path!r}: the tokenizer does not write images as the model reads them ({' '.join(pieces)} as tokens, "
                           f"{pieces[1]} the config's image_token_id {tokens.image_token_id}); it gives ids {ids}")
     return ImageReader(key, processor, tokens)
+
+
+def check_reads_images_alike(reader: ImageReader | None, policy_type: str, path: str, hf_config: PretrainedConfig, key: str,
+                             trust_remote_code: bool) -> None:
+    """A model that scores the policy's samples (a distillation teacher) is given the policy's image inputs, image
+    tokens and 3-D positions as they are: where the policy reads images (`reader`), it must be a vision-language
+    model of the policy's type with the same image processor and image tokens, or it is refused naming `key`."""
+    if reader is None:
+        return
+    processor = load_image_processor(path, trust_remote_code) if is_vision_language(hf_config) else None
+    if not (processor is not None and hf_config.model_type == policy_type and hf_config.image_token_id == reader.tokens.image_token_id
+            and hf_config.vision_config.spatial_merge_size == reader.tokens.merge and processor.to_dict() == reader.processor.to_dict()):
+        found = hf_config.model_type if processor is not None or not is_vision_language(hf_config) else f"{hf_config.model_type} without an image processor"
+        raise ConfigError(f"{key}={path!r} ({found}) does not read images as actor_rollout_ref.model.path ({policy_type}) does: it scores "
+                          f"the policy's image samples, so it must be a {policy_type} model with the same image processor and image tokens")

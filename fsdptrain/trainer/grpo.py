@@ -19,7 +19,7 @@ from transformers import AutoModelForTokenClassification, PretrainedConfig, PreT
 
 from fsdptrain.config.grpo import GRPOTrainerConfig, KLControlConfig, RLDataConfig
 from fsdptrain.data.dataset import Sample, check_files_exist
-from fsdptrain.data.images import ImageReader, image_reader
+from fsdptrain.data.images import ImageReader, check_reads_images_alike, image_reader
 from fsdptrain.data.micro_batches import MicroBatching
 from fsdptrain.distributed.mesh import Parallel
 from fsdptrain.distributed.offload import PhaseOffload
@@ -283,7 +283,8 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "prompts")
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
     reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
-    teacher_config = teacher_model_config(plan.teacher.spec, tokenizer, plan.sp_size) if plan.teacher is not None else None
+    with_images = images if any(prompt.images is not None for prompt in [*train, *val]) else None
+    teacher_config = teacher_model_config(plan.teacher.spec, tokenizer, plan.sp_size, with_images, hf_config.model_type) if plan.teacher is not None else None
     return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, critic_config=critic_config, reward_config=reward_config,
                       teacher_config=teacher_config, loops=loops)
 
@@ -484,15 +485,17 @@ def build_critic(plan: GRPOPlan, parallel: Parallel, total_steps: int, hf_config
                   settings.update, settings.update_batching, settings.forward_batching)
 
 
-def teacher_model_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, sp_size: int) -> PretrainedConfig:
+def teacher_model_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, sp_size: int, images: ImageReader | None,
+                         policy_type: str) -> PretrainedConfig:
     """The teacher's config, checked before any process starts: it scores the policy's token ids, so it shares the
-    policy's vocabulary (as verl requires of a teacher)."""
+    policy's vocabulary (as verl requires of a teacher), and the policy's images (`images`: its reader) as they are."""
     key = "distillation.teacher_models.teacher_model.model_path"
     hf_config = load_model_config(spec.path, key, spec.model, sp_size)
     teacher_tokenizer = load_tokenizer(spec.path, key, spec.model)
-    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab() or hf_config.vocab_size < len(tokenizer):
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab() or hf_config.get_text_config().vocab_size < len(tokenizer):
         raise ConfigError(f"{key}={spec.path!r} has another vocabulary than actor_rollout_ref.model.path's tokenizer: the teacher "
                           "scores the policy's token ids, so the two must share their tokenizer")
+    check_reads_images_alike(images, policy_type, spec.path, hf_config, key, spec.model.trust_remote_code)
     return hf_config
 
 

@@ -787,7 +787,6 @@ def check_images_reach(plan: GRPOPlan, model_type: str) -> None:
         "an asynchronous trainer mode (trainer.v1)": plan.asynchronous is not None,
         "a critic": plan.critic is not None,
         "reward_model.enable=true": plan.reward.model is not None,
-        "distillation.enabled=true": plan.teacher is not None,
         f"{ROLLOUT}.beam_search=true": plan.ranked_responses,
     }
     refused = [name for name, unreached in unbuilt.items() if unreached]
