@@ -333,6 +333,53 @@ def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution
         start += len(sample)
 
 
+def test_a_critics_values_of_image_prompts_are_its_backbones_plain_forward_through_its_head(vl_folder, tmp_path):
+    """A critic of a vision-language model (its tower and decoder, a value head): its values of image and text
+    prompts' responses, packed after their shared prompt and padded, equal a plain transformers forward of each
+    sequence through the model's own backbone (the causal LM's `model`, loaded from the folder), times the head."""
+    from transformers import AutoModelForTokenClassification
+
+    from fsdptrain.rl.critic import token_values
+    from fsdptrain.rl.data import load_prompts
+    from fsdptrain.rl.rollout.base import Generation
+    from fsdptrain.rl.samples import make_samples
+
+    config = AutoConfig.from_pretrained(vl_folder, num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(vl_folder)
+    prompts = load_prompts([write_rows(tmp_path / "rl.parquet", rl_rows(4))], tokenizer,
+                           images=image_reader(vl_folder, "model", "images", tokenizer, config, False))
+    g = torch.Generator().manual_seed(0)
+    generations = [Generation(p.ids, response, [1] * len(response), None, False, images=p.images)
+                   for p in prompts for response in (torch.randint(3, 300, (int(torch.randint(2, 9, (), generator=g)),), generator=g).tolist()
+                                                     for _ in range(2))]
+    samples = make_samples(generations, mask_truncated=False)
+    backbone = plain(vl_folder).model
+    head = torch.nn.Linear(config.get_text_config().hidden_size, 1)
+    expected = []
+    for sample, generation in zip(samples, generations):
+        inputs = {"input_ids": sample.input_ids[None], "mm_token_type_ids": (sample.input_ids == config.image_token_id).int()[None],
+                  **(generation.images.inputs if generation.images is not None else {})}
+        with torch.no_grad():
+            values = head(backbone(**inputs).last_hidden_state[0]).squeeze(1)
+        expected.append(values[:-1][sample.loss_mask[1:].bool()])
+    for layout, packed, share in (("shared prompt", True, True), ("padded", False, False)):
+        critic = build_on_meta(config, LOADING, packed, AutoModelForTokenClassification)
+        critic.to_empty(device="cpu")
+        critic.load_state_dict({**{f"model.{k}": v for k, v in backbone.state_dict().items()}, "score.weight": head.weight, "score.bias": head.bias})
+        for name, buffer in critic.model.named_buffers():
+            buffer.copy_(dict(backbone.named_buffers())[name])
+        critic.eval()
+        batch = collate_packed(samples, share_prefixes=share) if packed else collate_padded(samples, pad_token_id=0)
+        with torch.no_grad():
+            values = token_values(critic, batch.inputs, batch.targets["labels"], batch.token_rows, None)
+        width, start = (None if packed else batch.inputs["input_ids"].shape[1]), 0
+        for index, (sample, want) in enumerate(zip(samples, expected)):
+            begin = index * width if width else start
+            got = values[begin : begin + len(sample) - 1][sample.loss_mask[1:].bool()]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"{layout}: response {index}")
+            start += len(sample)
+
+
 @pytest.mark.slow
 def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactly(tmp_path):
     from test_grpo import grpo_args
@@ -361,6 +408,34 @@ def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactl
     for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
         assert again[1][key] == pytest.approx(metrics[1][key], rel=1e-5, abs=1e-7), key
     assert_same_weights(hf_weights(f"{resumed}/global_step_2"), hf_weights(f"{straight}/global_step_2"), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_vision_language_critic_trains_on_image_and_text_prompts_and_resumes_exactly(tmp_path):
+    """PPO (GAE) whose critic is the vision-language policy's folder with a value head, on 2 processes with image and
+    text prompts: the critic trains from the first step (critic_warmup) and a resumed run equals the straight one."""
+    from test_ppo import PPO
+
+    from test_grpo import grpo_args
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rl_rows(16))
+    (data / "reward.py").write_text(RL_REWARD)
+    common = dict(PPO, data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__model__fsdp_config__model_dtype="fp32",
+                  critic__model__fsdp_config__model_dtype="fp32", trainer__save_freq=1)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, straight, **common))
+    metrics = read_metrics(straight)
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[0]["prompt_length/max"] > 30
+    assert all(m["critic/grad_norm"] > 0 for m in metrics) and "actor/pg_loss" in metrics[1]
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, resumed, **{**common, "trainer__total_training_steps": 1}))
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, resumed, **common))
+    again = read_metrics(resumed)
+    for key in ("critic/values/mean", "critic/vf_loss", "critic/grad_norm", "critic/vf_explained_var", "actor/pg_loss", "actor/grad_norm"):
+        assert again[1][key] == pytest.approx(metrics[1][key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.slow
@@ -428,9 +503,10 @@ def test_a_response_that_draws_an_image_token_ends_before_it(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_grpo_mini_batch_gradient_with_images_is_the_same_whatever_the_layout(tmp_path, arch):
-    """Groups of image and text prompts: one process with micro-batches of 8 packed sequences (each prompt with
-    its image held once for its responses), two with micro-batches of 1 padded sequence, two at the defaults, and
-    one Ulysses group of two, each rank a slice of every row (Qwen3-VL's deepstack features cut with it)."""
+    """Groups of image and text prompts, the policy's gradient and its critic's (the same model with a value head):
+    one process with micro-batches of 8 packed sequences (each prompt with its image held once for its responses),
+    two with micro-batches of 1 padded sequence, two at the defaults, and one Ulysses group of two, each rank a
+    slice of every row (Qwen3-VL's deepstack features cut with it)."""
     from tests.checks.common import relative_gap
 
     folder = tmp_path / "model"
@@ -443,9 +519,10 @@ def test_a_grpo_mini_batch_gradient_with_images_is_the_same_whatever_the_layout(
         torchrun(nproc, "tests.checks.vision_check", [str(folder), data, out, str(micro), packed, str(sp)])
         gradients[name] = torch.load(out)
     reference = gradients.pop("dp1-micro8-packed")
-    assert any(name.startswith("model.visual.") and float(grad.abs().max()) > 0 for name, grad in reference.items())
-    for layout, gradient in gradients.items():
-        assert relative_gap(gradient, reference) < 2e-5, layout
+    for model in ("actor", "critic"):
+        assert any(name.startswith("model.visual.") and float(grad.abs().max()) > 0 for name, grad in reference[model].items()), model
+        for layout, gradient in gradients.items():
+            assert relative_gap(gradient[model], reference[model]) < 2e-5, (model, layout)
 
 
 # ---- verl's vision-language examples as written ----------------------------------------------------------------------

@@ -13,13 +13,21 @@ the plain ones on all three axes. Other multimodal models (audio, other vision t
 
 import inspect
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+from transformers import (
+    MODEL_MAPPING,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.modeling_outputs import TokenClassifierOutput
 
 from fsdptrain.errors import ConfigError
 
@@ -54,10 +62,60 @@ def check_supported(hf_config: PretrainedConfig, path_key: str, path: str) -> No
 
 
 def model_class(hf_config: PretrainedConfig, auto_class: type) -> type:
-    """The class that builds `hf_config`: a causal LM's Auto class builds a vision-language model with its tower."""
-    if auto_class is AutoModelForCausalLM and is_vision_language(hf_config):
+    """The class that builds `hf_config`: a causal LM's Auto class builds a vision-language model with its tower;
+    token classification (a critic's value head, a reward model's score) builds it with a head on its tower and
+    decoder, which transformers does not have for these models and which is registered with the Auto class here."""
+    if not is_vision_language(hf_config):
+        return auto_class
+    if auto_class is AutoModelForCausalLM:
         return AutoModelForImageTextToText
+    if auto_class is AutoModelForTokenClassification:
+        register_token_classification(type(hf_config))
     return auto_class
+
+
+@cache
+def register_token_classification(config_class: type[PretrainedConfig]) -> None:
+    """A vision-language model's backbone (its vision tower and decoder, transformers' `...Model`) as `model` with a
+    linear head `score` on the decoder's last hidden states, as transformers' token-classification models of text
+    decoders have them. Its weights load from a vision-language model's folder as the model's own class loads them
+    (transformers renames the keys of a folder's layout per class), the head drawn as transformers draws a new one."""
+    backbone = MODEL_MAPPING[config_class]
+    pretrained = next(c for c in backbone.__mro__ if c.__name__.endswith("PreTrainedModel") and c is not PreTrainedModel)
+
+    class ForTokenClassification(pretrained):
+        def __init__(self, config: PretrainedConfig):
+            super().__init__(config)
+            self.model = backbone(config)
+            self.score = nn.Linear(config.get_text_config().hidden_size, config.num_labels)
+            self.post_init()
+
+        @classmethod
+        def from_pretrained(cls, path: str, *, config: PretrainedConfig, output_loading_info: bool = False, **kwargs):
+            whole, info = AutoModelForImageTextToText.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+            with torch.device("meta"):
+                model = cls(config)
+            model.model = whole.model
+            model.score = nn.Linear(model.score.in_features, model.score.out_features, dtype=whole.dtype)
+            nn.init.normal_(model.score.weight, std=config.get_text_config().initializer_range)
+            nn.init.zeros_(model.score.bias)
+            info = {**info, "missing_keys": {*info["missing_keys"], "score.weight", "score.bias"}}
+            return (model, info) if output_loading_info else model
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.model.get_input_embeddings()
+
+        def set_input_embeddings(self, value: nn.Module) -> None:
+            self.model.set_input_embeddings(value)
+
+        def forward(self, **inputs) -> TokenClassifierOutput:
+            return TokenClassifierOutput(logits=self.score(self.model(**inputs).last_hidden_state))
+
+    ForTokenClassification.__name__ = ForTokenClassification.__qualname__ = backbone.__name__.removesuffix("Model") + "ForTokenClassification"
+    # transformers decides what a class supports (setting its attention or experts implementation) by reading the
+    # source of the module that defines it: this one's is the backbone's
+    ForTokenClassification.__module__ = backbone.__module__
+    AutoModelForTokenClassification.register(config_class, ForTokenClassification, exist_ok=True)
 
 
 def attention_setting(hf_config: PretrainedConfig, decoder_attention: str) -> str | dict[str, str]:

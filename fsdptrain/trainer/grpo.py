@@ -284,6 +284,9 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
     reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
     with_images = images if any(prompt.images is not None for prompt in [*train, *val]) else None
+    if critic_config is not None:
+        check_reads_images_alike(with_images, hf_config.model_type, plan.critic_model.path, critic_config, "critic.model.path",
+                                 plan.critic_model.model.trust_remote_code)
     teacher_config = teacher_model_config(plan.teacher.spec, tokenizer, plan.sp_size, with_images, hf_config.model_type) if plan.teacher is not None else None
     return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, critic_config=critic_config, reward_config=reward_config,
                       teacher_config=teacher_config, loops=loops)
@@ -466,8 +469,8 @@ def critic_model_config(spec: ModelSpec, vocabulary: int, sp_size: int) -> Pretr
     """critic.model.path's config with a value head, checked before any process starts: it reads the token ids of
     the actor's tokenizer (`vocabulary` of them)."""
     hf_config = load_model_config(spec.path, "critic.model.path", spec.model, sp_size)
-    if hf_config.vocab_size < vocabulary:
-        raise ConfigError(f"critic.model.path={spec.path!r} has {hf_config.vocab_size} token embeddings, fewer than the "
+    if hf_config.get_text_config().vocab_size < vocabulary:
+        raise ConfigError(f"critic.model.path={spec.path!r} has {hf_config.get_text_config().vocab_size} token embeddings, fewer than the "
                           f"{vocabulary} tokens of the actor's tokenizer, whose token ids it reads")
     hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0  # one value per token, and no dropout on it, as verl's critic
     return hf_config
