@@ -439,6 +439,61 @@ def test_ppo_with_a_vision_language_critic_trains_on_image_and_text_prompts_and_
 
 
 @pytest.mark.slow
+def test_a_vision_language_reward_model_scores_each_response_with_its_prompts_images(tmp_path, capsys):
+    """A reward model of the policy's type (its backbone and a score head, saved as transformers saves it) on 2
+    processes, packed, with image and text prompts: each response's score is a plain forward of the folder's
+    backbone with the row's images, through the head's weights read from the folder, at its last token; one whose
+    tokenizer is not the policy's is refused (its own template would not carry the images)."""
+    from safetensors.torch import load_file as load_weights
+    from transformers import AutoModelForTokenClassification
+
+    from fsdptrain.check import main as check_main
+    from fsdptrain.models.vision import model_class
+
+    from test_grpo import grpo_args
+
+    folder, reward_model = tmp_path / "model", tmp_path / "rm"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=3, out=str(reward_model))
+    config = AutoConfig.from_pretrained(reward_model, num_labels=1)
+    scorer = model_class(config, AutoModelForTokenClassification).from_pretrained(str(reward_model), config=config, dtype=torch.float32)
+    torch.nn.init.normal_(scorer.score.weight, std=1.0)  # scores that differ from response to response
+    scorer.save_pretrained(reward_model)
+    rows = [{**row, "prompt": [{"role": "user", "content": f"{row['prompt'][0]['content']} (row {i})"}]} for i, row in enumerate(rl_rows(8))]
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rows)
+    out = str(tmp_path / "run")
+    settings = dict(data__max_prompt_length=256, data__val_files="null", custom_reward_function__path="null", reward_model__enable="true",
+                    reward_model__model__path=str(reward_model), reward_model__micro_batch_size_per_gpu=3, trainer__total_training_steps=1)
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, out, **settings, trainer__rollout_data_dir=f"{out}/rollouts"))
+    backbone = AutoModelForImageTextToText.from_pretrained(reward_model, dtype=torch.float32).model.eval()
+    head = load_weights(str(reward_model / "model.safetensors"))
+    processor = AutoImageProcessor.from_pretrained(reward_model)
+    dumped = [json.loads(line) for line in open(f"{out}/rollouts/1.jsonl")]
+    assert len(dumped) == 16 and sum("image_grid_thw" in row for row in dumped) == 12
+    expected = []
+    for row in dumped:
+        images = rows[int(row["prompt"][0]["content"].rsplit("(row ", 1)[1].rstrip(")"))]["images"]
+        ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == config.image_token_id).int()[None]}
+        if images:
+            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in images], return_tensors="pt"))
+        with torch.no_grad():
+            last = backbone(**inputs).last_hidden_state[0, -1]
+        expected.append(float(last @ head["score.weight"][0] + head["score.bias"][0]))
+    assert [row["source/reward_model"] for row in dumped] == pytest.approx(expected, abs=1e-4)
+    assert len({round(value, 3) for value in expected}) > 8
+    other = make_tiny.trained_tokenizer()
+    other.chat_template = other.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    other.save_pretrained(reward_model)
+    args = grpo_args(str(folder), data, str(tmp_path / "refused"), **settings)
+    assert check_main(["grpo", "--nproc-per-node", "2", "--device", "cpu", *args]) == 1
+    said = capsys.readouterr().err
+    assert f"reward_model.model.path={str(reward_model)!r} has another tokenizer or chat template" in said, said
+
+
+@pytest.mark.slow
 def test_a_distillation_teacher_reads_the_policys_images(tmp_path, capsys):
     """On-policy distillation of a vision-language policy on 2 processes with image and text prompts: a teacher that
     is the policy's own folder gives a first step's top-k forward KL of 0 (a teacher shown other images, or none,

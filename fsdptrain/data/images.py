@@ -130,7 +130,7 @@ def image_reader(path: str, path_key: str, key: str, tokenizer: PreTrainedTokeni
 
 def check_reads_images_alike(reader: ImageReader | None, policy_type: str, path: str, hf_config: PretrainedConfig, key: str,
                              trust_remote_code: bool) -> None:
-    """A model that reads the policy's samples (a critic, a distillation teacher) is given the policy's image inputs, image
+    """A model that reads the policy's samples (a critic, a reward model, a distillation teacher) is given the policy's image inputs, image
     tokens and 3-D positions as they are: where the policy reads images (`reader`), it must be a vision-language
     model of the policy's type with the same image processor and image tokens, or it is refused naming `key`."""
     if reader is None:

@@ -12,12 +12,15 @@ the plain ones on all three axes. Other multimodal models (audio, other vision t
 """
 
 import inspect
+import json
+import os
 from dataclasses import dataclass
 from functools import cache, partial
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 from transformers import (
     MODEL_MAPPING,
@@ -97,9 +100,14 @@ def register_token_classification(config_class: type[PretrainedConfig]) -> None:
                 model = cls(config)
             model.model = whole.model
             model.score = nn.Linear(model.score.in_features, model.score.out_features, dtype=whole.dtype)
-            nn.init.normal_(model.score.weight, std=config.get_text_config().initializer_range)
-            nn.init.zeros_(model.score.bias)
-            info = {**info, "missing_keys": {*info["missing_keys"], "score.weight", "score.bias"}}
+            head = {name: folder_tensor(path, f"score.{name}") for name in ("weight", "bias")}
+            if all(tensor is not None for tensor in head.values()):  # a folder written with its head (a reward model)
+                model.score.load_state_dict(head)
+                info = {**info, "unexpected_keys": {*info["unexpected_keys"]} - {"score.weight", "score.bias"}}
+            else:
+                nn.init.normal_(model.score.weight, std=config.get_text_config().initializer_range)
+                nn.init.zeros_(model.score.bias)
+                info = {**info, "missing_keys": {*info["missing_keys"], "score.weight", "score.bias"}}
             return (model, info) if output_loading_info else model
 
         def get_input_embeddings(self) -> nn.Module:
@@ -175,6 +183,20 @@ def _share_of_row(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         kwargs["visual_pos_masks"] = visual[:, low:high]
         kwargs["deepstack_visual_embeds"] = [features[first:last] for features in kwargs["deepstack_visual_embeds"]]
     return args, kwargs
+
+
+def folder_tensor(path: str, name: str) -> torch.Tensor | None:
+    """The tensor `name` of a model folder's safetensors weights (one file or shards with their index), or None."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            file = json.load(f)["weight_map"].get(name)
+    else:
+        file = "model.safetensors" if os.path.isfile(os.path.join(path, "model.safetensors")) else None
+    if file is None:
+        return None
+    with safe_open(os.path.join(path, file), framework="pt") as weights:
+        return weights.get_tensor(name) if name in weights.keys() else None
 
 
 def _note_images(seen: SimpleNamespace, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -5,7 +5,8 @@ response, as the sequence-classification model's own pooling reads it.
 
 Where the reward model's tokenizer is not the policy's (another vocabulary or chat template), each conversation is
 decoded and templated again with the reward model's own: the prompt's messages and the response as the assistant's
-turn. Otherwise the policy's token ids are scored as they are.
+turn. Otherwise the policy's token ids are scored as they are, with a vision-language policy's images (a reward model
+of its type that reads them as it does: trainer/grpo.py checks it at start).
 """
 
 from collections.abc import Sequence
@@ -56,7 +57,9 @@ class RewardModel:
             ids = self.token_ids(generation, prompts[group])
             # One padding token after the sequence, as its only target: the head's output at the position that
             # predicts it is the output at the sequence's last token (causal attention: the extra token changes nothing before it).
-            samples.append(Sample(torch.tensor([*ids, self.pad_id]), torch.tensor([0] * len(ids) + [1])))
+            images = generation.images  # only where the policy's ids are scored as they are (resolved at start)
+            samples.append(Sample(torch.tensor([*ids, self.pad_id]), torch.tensor([0] * len(ids) + [1]), images=images.inputs if images else None,
+                                  positions=images.positions_through(len(ids) + 1) if images else None))
         micro_batches = plan_micro_batches(samples, self.batching, self.parallel)
         self.offload.params_back()
         for micro_batch, batch in forward_batches(micro_batches, samples[:1], self.packed, self.pad_id, self.parallel):

@@ -284,6 +284,8 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
     reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
     with_images = images if any(prompt.images is not None for prompt in [*train, *val]) else None
+    if reward_config is not None and with_images is not None:
+        check_reward_model_reads_images(plan.reward.model.spec, reward_config, tokenizer, with_images, hf_config.model_type)
     if critic_config is not None:
         check_reads_images_alike(with_images, hf_config.model_type, plan.critic_model.path, critic_config, "critic.model.path",
                                  plan.critic_model.model.trust_remote_code)
@@ -448,6 +450,17 @@ def reward_model_config(spec: ModelSpec) -> PretrainedConfig:
     if hf_config.num_labels != 1:
         raise ConfigError(f"reward_model.model.path={spec.path!r} has {hf_config.num_labels} labels: a reward model has one")
     return hf_config
+
+
+def check_reward_model_reads_images(spec: ModelSpec, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, images: ImageReader,
+                                    policy_type: str) -> None:
+    """A reward model of image prompts scores the policy's ids with their images: it reads images as the policy
+    does and shares its tokenizer (a conversation templated again with another would lose its images)."""
+    key = "reward_model.model.path"
+    check_reads_images_alike(images, policy_type, spec.path, hf_config, key, spec.model.trust_remote_code)
+    if not same_tokenizer(load_tokenizer(spec.path, key, spec.model), tokenizer):
+        raise ConfigError(f"{key}={spec.path!r} has another tokenizer or chat template than actor_rollout_ref.model.path: its conversations "
+                          "would be templated again with its own, which does not carry the prompts' images; give it the policy's")
 
 
 def build_reward_model(settings: RewardModelPlan, trainer: GRPOTrainerConfig, parallel: Parallel, policy_tokenizer,

@@ -785,7 +785,6 @@ def check_images_reach(plan: GRPOPlan, model_type: str) -> None:
         f"{ROLLOUT}.name={plan.engine_name}": not ROLLOUT_ENGINES.info[plan.engine_name].images,
         f"{ROLLOUT}.multi_turn.enable=true": plan.multi_turn is not None,
         "an asynchronous trainer mode (trainer.v1)": plan.asynchronous is not None,
-        "reward_model.enable=true": plan.reward.model is not None,
         f"{ROLLOUT}.beam_search=true": plan.ranked_responses,
     }
     refused = [name for name, unreached in unbuilt.items() if unreached]
