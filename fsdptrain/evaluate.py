@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     tools = load_tools(args.tool_config, "--tool-config") if args.tool_config else {}
     config = AutoConfig.from_pretrained(args.model_dir)
     images = image_reader(args.model_dir, "MODEL_DIR", "images", tokenizer, config, trust_remote_code=False)
-    if images is not None and (not ROLLOUT_ENGINES.info[args.backend].images or tools or args.beams is not None):
-        raise SystemExit(f"{args.model_dir} is a vision-language model ({config.model_type}): its images are read on one turn of the "
-                         f"{', '.join(ROLLOUT_ENGINES.names(images=True))} backend, without --tool-config or --beams")
+    if images is not None and (not ROLLOUT_ENGINES.info[args.backend].images or args.beams is not None):
+        raise SystemExit(f"{args.model_dir} is a vision-language model ({config.model_type}): its images are read by the "
+                         f"{', '.join(ROLLOUT_ENGINES.names(images=True))} backend, without --beams")
     prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools), images)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warn_if_emulated(args.dtype, "--dtype", device)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "tool_agent" if tools else "single_turn_agent"  # every prompt is answered by the loop the flags give
     for prompt in prompts:
         prompt.agent_name = name
-    loops = {name: AGENT_LOOPS[name](LoopContext(engine, tokenizer, settings if tools else None, tools, {}, template_kwargs))}
+    loops = {name: AGENT_LOOPS[name](LoopContext(engine, tokenizer, settings if tools else None, tools, {}, template_kwargs, images))}
     request = RolloutRequest(args.beams or args.n, args.max_new_tokens, args.batch_size, args.temperature or 1.0, top_p=1.0, top_k=-1,
                              do_sample=args.temperature > 0, calculate_log_probs=False)
     score = lambda responses, prompts, ids: score_responses(reward_fn, tokenizer, prompts, responses, ids, "")  # noqa: E731

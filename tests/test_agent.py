@@ -22,7 +22,7 @@ from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings, truncate_respo
 from fsdptrain.rl.agent.sokoban import Sokoban, parse_action
 from fsdptrain.rl.agent.templates import TurnRenderer
 from fsdptrain.rl.agent.tool_calls import TOOL_CALL_FORMATS, ToolCall, parse_hermes, parse_llama3_json
-from fsdptrain.rl.agent.tools import BaseTool, CalculatorTool, evaluate_arithmetic, load_tools
+from fsdptrain.rl.agent.tools import BaseTool, CalculatorTool, ToolMediaError, evaluate_arithmetic, load_tools, response_text
 from fsdptrain.rl.data import Prompt
 from fsdptrain.rl.rewards import Scorer
 from fsdptrain.rl.rollout.base import group_ids
@@ -81,6 +81,15 @@ def test_tool_responses_are_cut_on_the_configured_side():
     assert truncate_response(text, 4, "left") == "0123...(truncated)"
     assert truncate_response(text, 4, "right") == "(truncated)...6789"
     assert truncate_response(text, 4, "middle") == "01...(truncated)...89"
+
+
+def test_a_tool_response_is_read_as_text_and_one_with_images_is_refused_naming_the_tool():
+    from types import SimpleNamespace
+
+    assert response_text("408", "calculator") == "408" and response_text({"text": "408", "image": None}, "calculator") == "408"
+    assert response_text(SimpleNamespace(text="408", image=[], video=None), "calculator") == "408"
+    with pytest.raises(ToolMediaError, match="the tool 'zoom' returned images: tool responses are read as text only"):
+        response_text({"text": "here", "image": ["a picture"]}, "zoom")
 
 
 def test_the_tool_yaml_loads_verls_layout(tmp_path):

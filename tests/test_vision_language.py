@@ -380,6 +380,128 @@ def test_a_critics_values_of_image_prompts_are_its_backbones_plain_forward_throu
             start += len(sample)
 
 
+def answering_model(folder: str, rows: list[dict], answer: str) -> None:
+    """The folder's model fine-tuned in place by a plain torch loop to answer each row's prompt, with its images,
+    with `answer` and the end of its turn: a random model rarely ends one."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = plain(folder).train()
+    answer_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    inputs = []
+    for row in rows:
+        prompt = reference_inputs(folder, {"messages": row["prompt"] + [{"role": "assistant", "content": "x"}], "images": row["images"]})
+        ids = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        length = len(tokenizer(ids.replace("<image>", ""), add_special_tokens=False)["input_ids"])  # the ids up to the answer, images expanded
+        length += sum(int(g.prod()) // 4 + 2 for g in prompt.get("image_grid_thw", []))
+        input_ids = torch.cat([prompt["input_ids"][0, :length], torch.tensor(answer_ids)])
+        extra = {k: prompt[k] for k in ("pixel_values", "image_grid_thw") if k in prompt}
+        inputs.append((input_ids, length, extra))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(8):
+        for input_ids, length, extra in inputs:
+            labels = input_ids.clone()
+            labels[:length] = -100
+            model(input_ids=input_ids[None], mm_token_type_ids=(input_ids == model.config.image_token_id).int()[None], labels=labels[None],
+                  **extra).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.save_pretrained(folder)
+
+
+def test_multi_turn_trajectories_of_image_prompts_read_their_images_every_turn(tmp_path):
+    """An environment that answers every assistant turn (verl's interaction) twice: each turn of an image prompt's
+    trajectory is sampled from, and trained on, a plain forward's distribution over the whole trajectory with the
+    prompt's images (an engine that read them on the first turn only would be off after it), and a re-render of the
+    conversation, images as their placeholders, agrees with the trajectory's ids (no drift)."""
+    from test_agent import segments
+
+    from fsdptrain.rl.agent.interactions import BaseInteraction
+    from fsdptrain.rl.agent.loop import AgentLoop, MultiTurnSettings
+    from fsdptrain.rl.data import load_prompts
+    from fsdptrain.rl.rollout.hf import HFRollout
+    from fsdptrain.rl.samples import make_samples
+
+    class LookAgain(BaseInteraction):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            return False, "Look again.", 0.0, {}
+
+    folder = str(tmp_path / "model")
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=folder)
+    rows = [{**row, "extra_info": {"interaction_kwargs": {"name": "look"}}} for row in rl_rows(4)]
+    answering_model(folder, rows, "4")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reader = image_reader(folder, "model", "images", tokenizer, AutoConfig.from_pretrained(folder), False)
+    prompts = load_prompts([write_rows(tmp_path / "rl.parquet", rows)], tokenizer, images=reader)
+    settings = MultiTurnSettings(max_assistant_turns=None, max_user_turns=2, max_parallel_calls=1, max_tool_response_length=256,
+                                 tool_response_truncate_side="middle", format="hermes", tokenization_sanity_check_mode="strict", tool_timeout_s=5.0)
+    engine = HFRollout(folder, torch.device("cpu"), torch.float32, pad_id=tokenizer.pad_token_id)
+    loop = AgentLoop(engine, tokenizer, settings, {}, {"look": LookAgain({"name": "look"})}, images=reader)
+    torch.manual_seed(0)
+    generations = loop.generate(prompts, n=2, max_new_tokens=120, batch_size=8, calculate_log_probs=True)
+    finished = [g for g in generations if g.trace.assistant_turns == 3 and not g.truncated]
+    assert len(finished) >= 4 and any(g.images is not None for g in finished), [g.trace.assistant_turns for g in generations]
+    for g in finished:  # drift where, and only where, a sampled turn is not the tokenization of its own text
+        turns = [m["content"] for m in g.trace.messages if m["trained"]]
+        runs = [ids for trained, ids in segments(g) if trained]
+        canonical = all(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")] == ids
+                        for text, ids in zip(turns, runs, strict=True))
+        assert g.trace.drift is (not canonical), turns
+    reference, processor = plain(folder), AutoImageProcessor.from_pretrained(folder)
+    expected = []
+    for index, generation in enumerate(generations):
+        ids = torch.tensor(generation.prompt_ids + generation.response_ids)
+        inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == reference.config.image_token_id).int()[None]}
+        row = rows[index // 2]
+        if row["images"]:
+            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]], return_tensors="pt"))
+        with torch.no_grad():
+            logits = reference(**inputs).logits[0]
+        want = logits[:-1].log_softmax(-1).gather(1, ids[1:, None]).squeeze(1)[len(generation.prompt_ids) - 1 :]
+        trained = torch.tensor(generation.response_mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(generation.log_probs)[trained], want[trained], atol=1e-4, rtol=0, msg=f"rollout: {index}")
+        expected.append(want[trained])
+    samples = make_samples(generations, mask_truncated=False)
+    model = as_trained(folder, True, reference)
+    batch = collate_packed(samples, share_prefixes=True)
+    with torch.no_grad():
+        log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16, token_rows=batch.token_rows)
+    start = 0
+    for index, (sample, want) in enumerate(zip(samples, expected)):
+        got = log_probs.reshape(-1)[start : start + len(sample) - 1][sample.loss_mask[1:].bool()]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"trainer: response {index}")
+        start += len(sample)
+
+
+@pytest.mark.slow
+def test_a_multi_turn_grpo_run_with_image_prompts_trains_through_an_environment(tmp_path):
+    """`grpo_trainer` with multi_turn.enable and verl's interaction YAML (the built-in sokoban environment answering
+    each turn) on image and text prompts, 2 processes: trajectories of several turns, with their images, train."""
+    import yaml
+
+    from test_grpo import grpo_args
+
+    folder = str(tmp_path / "model")
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=folder)
+    rows = [{**row, "extra_info": {"interaction_kwargs": {"name": "sokoban", "seed": i}}} for i, row in enumerate(rl_rows(8))]
+    answering_model(folder, rows, "4")
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rows)
+    (data / "reward.py").write_text(RL_REWARD)
+    (data / "interaction.yaml").write_text(yaml.safe_dump({"interaction": [{
+        "name": "sokoban", "class_name": "fsdptrain.rl.agent.interactions.EnvironmentInteraction",
+        "config": {"env": "fsdptrain.rl.agent.sokoban.Sokoban", "max_steps": 2, "env_config": {"size": 5, "boxes": 1}}}]}))
+    out = str(tmp_path / "run")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(
+        folder, data, out, data__max_prompt_length=256, data__max_response_length=240, data__val_files="null",
+        actor_rollout_ref__rollout__multi_turn__enable="true", actor_rollout_ref__rollout__multi_turn__interaction_config_path=str(data / "interaction.yaml"),
+        trainer__total_training_steps=1, trainer__rollout_data_dir=f"{out}/rollouts"))
+    (metrics,) = read_metrics(out)
+    assert metrics["actor/grad_norm"] > 0
+    dumped = [json.loads(line) for line in open(f"{out}/rollouts/1.jsonl")]
+    with_images = [row for row in dumped if "image_grid_thw" in row]
+    assert len(with_images) == 12 and any(sum(turn["role"] == "user" for turn in row["turns"]) >= 1 for row in with_images)
+
+
 @pytest.mark.slow
 def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactly(tmp_path):
     from test_grpo import grpo_args
@@ -649,7 +771,7 @@ def test_the_evaluation_reads_a_vision_language_models_images(tmp_path, capsys):
     evaluate_main([str(folder), data, "--max-new-tokens", "4", "--out", str(tmp_path / "out.jsonl")])
     records = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
     assert len(records) == 4 and "hiyouga/geometry3k" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="vision-language model .* on one turn of the hf backend"):
+    with pytest.raises(SystemExit, match="vision-language model .* read by the hf backend, without --beams"):
         evaluate_main([str(folder), data, "--backend", "vllm"])
 
 

@@ -81,6 +81,11 @@ class ImageReader:
         """`text` with each `<image>` as the model's chat template renders an image."""
         return text.replace(IMAGE_MARK, self.tokens.placeholder)
 
+    def one_token_each(self, ids: list[int]) -> list[int]:
+        """`ids` with each image's run of image tokens as one (as the text of `mark` tokenizes before `expand`)."""
+        image_id = self.tokens.image_token_id
+        return [token for i, token in enumerate(ids) if token != image_id or i == 0 or ids[i - 1] != image_id]
+
 
 def open_image(value, index: int) -> Image.Image:
     """One image of a row, as verl's datasets store it, in RGB."""

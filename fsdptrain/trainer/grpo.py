@@ -281,7 +281,7 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     train, val = (load_rl_prompts(data, plan.default_agent_loop, files, tokenizer, key, tools, interactions, images)
                   for files, key in ((data.train_files, "data.train_files"), (data.val_files, "data.val_files")))
     total_steps = count_steps(plan.trainer, len(train), data.train_batch_size, "prompts")
-    loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs), [*train, *val])
+    loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs, images), [*train, *val])
     reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
     with_images = images if any(prompt.images is not None for prompt in [*train, *val]) else None
     if reward_config is not None and with_images is not None:
@@ -418,8 +418,9 @@ def load_rl_prompts(data: RLDataConfig, default_agent_loop: str, files: list[str
         if prompt.agent_name not in AGENT_LOOPS:
             raise ConfigError(f"{key} row {row}: agent_name={prompt.agent_name!r} is not a registered agent loop "
                               f"({'|'.join(AGENT_LOOPS)})")
-        if prompt.images is not None and prompt.agent_name != "single_turn_agent":
-            raise ConfigError(f"{key} row {row}: agent_name={prompt.agent_name!r} with images: only single_turn_agent takes them")
+        if prompt.images is not None and not AGENT_LOOPS.info[prompt.agent_name].images:
+            raise ConfigError(f"{key} row {row}: agent_name={prompt.agent_name!r} with images: only "
+                              f"{', '.join(AGENT_LOOPS.names(images=True))} take them")
     return fit_prompts(prompts, data.max_prompt_length, data.truncation, data.filter_overlong_prompts, key)
 
 

@@ -783,14 +783,13 @@ def check_images_reach(plan: GRPOPlan, model_type: str) -> None:
     parts of a run they would not reach are refused by name."""
     unbuilt = {
         f"{ROLLOUT}.name={plan.engine_name}": not ROLLOUT_ENGINES.info[plan.engine_name].images,
-        f"{ROLLOUT}.multi_turn.enable=true": plan.multi_turn is not None,
         "an asynchronous trainer mode (trainer.v1)": plan.asynchronous is not None,
         f"{ROLLOUT}.beam_search=true": plan.ranked_responses,
     }
     refused = [name for name, unreached in unbuilt.items() if unreached]
     if refused:
         raise ConfigError(f"actor_rollout_ref.model.path is a vision-language model ({model_type}); its images do not reach "
-                          f"{', '.join(refused)}: not built for images yet (the hf rollout engine, one turn, the sync mode)")
+                          f"{', '.join(refused)}: not built for images yet (the hf rollout engine in the sync mode)")
 
 
 def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from fsdptrain.data.images import ImageReader
 from fsdptrain.distributed.reductions import gather_lists
 from fsdptrain.errors import ConfigError
 from fsdptrain.registry import Registry
@@ -103,11 +104,17 @@ class LoopContext:
     tools: dict[str, BaseTool]
     interactions: dict[str, BaseInteraction]
     template_kwargs: dict  # data.apply_chat_template_kwargs
+    images: ImageReader | None = None  # a vision-language model's: how its prompts' images become tokens
+
+
+@dataclass(frozen=True)
+class LoopInfo:
+    images: bool = False  # it gives the engine each prompt's images (a loop that does not is refused rows with images)
 
 
 # verl's agent loops by name: a data row's `agent_name`, else actor_rollout_ref.rollout.agent.default_agent_loop,
 # selects the one that answers it. Each entry builds its loop from a LoopContext.
-AGENT_LOOPS: Registry[Callable[[LoopContext], Loop]] = Registry("agent loop")
+AGENT_LOOPS: Registry[Callable[[LoopContext], Loop]] = Registry("agent loop", LoopInfo())
 
 
 @dataclass
@@ -125,17 +132,18 @@ class SingleTurn:
         return generations
 
 
-@AGENT_LOOPS.register("single_turn_agent")
+@AGENT_LOOPS.register("single_turn_agent", info=LoopInfo(images=True))
 def single_turn_agent(context: LoopContext) -> SingleTurn:
     return SingleTurn(context.engine)
 
 
-@AGENT_LOOPS.register("tool_agent")
+@AGENT_LOOPS.register("tool_agent", info=LoopInfo(images=True))
 def tool_agent(context: LoopContext) -> "AgentLoop":
     if context.settings is None:
         raise ConfigError("the tool_agent loop answers over several turns: it needs actor_rollout_ref.rollout.multi_turn.enable=true with "
                           "a tool_config_path or an interaction_config_path")
-    return AgentLoop(context.engine, context.tokenizer, context.settings, context.tools, context.interactions, context.template_kwargs)
+    return AgentLoop(context.engine, context.tokenizer, context.settings, context.tools, context.interactions, context.template_kwargs,
+                     context.images)
 
 
 @dataclass
@@ -146,6 +154,7 @@ class AgentLoop:
     tools: dict[str, BaseTool]
     interactions: dict[str, BaseInteraction]
     template_kwargs: dict = field(default_factory=dict)  # data.apply_chat_template_kwargs
+    images: ImageReader | None = None  # a vision-language model's
 
     def __post_init__(self):
         self.events = asyncio.new_event_loop()
@@ -162,17 +171,22 @@ class AgentLoop:
         try:
             self.run(self.start_interactions(trajectories))
             while budget := self.turn_budget(live := [t for t in trajectories if not t.done]):
+                images = [t.prompt.images for t in live]  # a prompt's images, read again with its trajectory so far
                 turns = self.engine.generate([t.prompt.ids + t.ids for t in live], n=1, max_new_tokens=budget,
                                              batch_size=batch_size, temperature=temperature, top_p=top_p, top_k=top_k, do_sample=do_sample,
-                                             calculate_log_probs=calculate_log_probs)
+                                             calculate_log_probs=calculate_log_probs,
+                                             **({"images": images} if any(i is not None for i in images) else {}))
                 calls = {id(t): self.take_turn(t, turn) for t, turn in zip(live, turns, strict=True)}
                 self.run(together(self.answer(t, calls[id(t)]) for t in live if not t.done))
         finally:
             self.run(together(self.finish(t) for t in trajectories))
         for t in trajectories:
             if self.settings.tokenization_sanity_check_mode != "disable" and not t.truncated:
-                t.trace.drift = self.renderer.drifts(self.conversation(t), t.prompt.ids + t.ids, self.settings.tokenization_sanity_check_mode)
-        return [Generation(t.prompt.ids, t.ids, t.mask, t.log_probs, t.truncated, t.trace) for t in trajectories]
+                messages, ids = self.conversation(t), t.prompt.ids + t.ids
+                if t.prompt.images is not None:  # a re-render writes each image as its placeholder, one image token
+                    messages, ids = [{**m, "content": self.images.mark(m["content"])} for m in messages], self.images.one_token_each(ids)
+                t.trace.drift = self.renderer.drifts(messages, ids, self.settings.tokenization_sanity_check_mode)
+        return [Generation(t.prompt.ids, t.ids, t.mask, t.log_probs, t.truncated, t.trace, images=t.prompt.images) for t in trajectories]
 
     def turn_budget(self, live: list[Trajectory]) -> int:
         """The next turn's max_new_tokens: the largest budget of a live trajectory, over every rank of a
@@ -258,7 +272,7 @@ class AgentLoop:
             t.trace.tool_errors += 1
             return f"Error: {type(e).__name__}: {e}"
         t.trace.tool_rewards.append(float(reward))
-        return response_text(response)
+        return response_text(response, call.name)
 
     async def finish(self, t: Trajectory) -> None:
         """Each tool's reward for the trajectory, then its instance released; the interaction finalized."""

@@ -16,7 +16,7 @@ from uuid import uuid4
 
 import yaml
 
-from fsdptrain.errors import ConfigError
+from fsdptrain.errors import ConfigError, UserError
 
 
 @dataclass
@@ -75,13 +75,19 @@ class BaseTool:
         pass
 
 
-def response_text(response: Any) -> str:
-    """A tool's response as the text the model reads."""
+def response_text(response: Any, tool: str) -> str:
+    """A tool's response as the text the model reads; one with images or videos (verl's ToolResponse can carry them)
+    is refused naming the `tool`, rather than shown to the model without them."""
     if isinstance(response, str):
         return response
-    if isinstance(response, dict):
-        return str(response.get("text") or "")
-    return str(getattr(response, "text", None) or "")
+    read = response.get if isinstance(response, dict) else lambda key: getattr(response, key, None)
+    if media := [key for key in ("image", "video") if read(key)]:
+        raise ToolMediaError(f"the tool {tool!r} returned {' and '.join(media)}s: tool responses are read as text only")
+    return str(read("text") or "")
+
+
+class ToolMediaError(UserError, RuntimeError):
+    """A tool answered with images or videos, which the agent loop does not feed the model."""
 
 
 BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
