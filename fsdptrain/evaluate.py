@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     tools = load_tools(args.tool_config, "--tool-config") if args.tool_config else {}
     config = AutoConfig.from_pretrained(args.model_dir)
     images = image_reader(args.model_dir, "MODEL_DIR", "images", tokenizer, config, trust_remote_code=False)
-    if images is not None and (not ROLLOUT_ENGINES.info[args.backend].images or args.beams is not None):
+    if images is not None and not ROLLOUT_ENGINES.info[args.backend].images:
         raise SystemExit(f"{args.model_dir} is a vision-language model ({config.model_type}): its images are read by the "
-                         f"{', '.join(ROLLOUT_ENGINES.names(images=True))} backend, without --beams")
+                         f"{', '.join(ROLLOUT_ENGINES.names(images=True))} backend")
     prompts = load_prompts(files, tokenizer, template_kwargs, tool_schemas(tools), images)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warn_if_emulated(args.dtype, "--dtype", device)

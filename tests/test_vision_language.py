@@ -380,6 +380,71 @@ def test_a_critics_values_of_image_prompts_are_its_backbones_plain_forward_throu
             start += len(sample)
 
 
+def test_beams_of_image_prompts_are_transformers_beam_search_with_the_images(vl_folder, tmp_path):
+    """The hf engine's beam search (rollout.beam_search) of image and text prompts in one batch: each prompt's beams,
+    best first, are transformers' own beam search of that prompt with its images, image tokens banned (its
+    `bad_words_ids`: a beam that took one would be read as an image's place)."""
+    from fsdptrain.rl.agent.loop import SingleTurn
+    from fsdptrain.rl.data import load_prompts
+    from fsdptrain.rl.rollout.hf import HFRollout
+
+    rows = rl_rows(4)
+    tokenizer = AutoTokenizer.from_pretrained(vl_folder)
+    prompts = load_prompts([write_rows(tmp_path / "rl.parquet", rows)], tokenizer,
+                           images=image_reader(vl_folder, "model", "images", tokenizer, AutoConfig.from_pretrained(vl_folder), False))
+    engine = HFRollout(vl_folder, torch.device("cpu"), torch.float32, pad_id=tokenizer.pad_token_id, beams=True)
+    reference, processor = plain(vl_folder), AutoImageProcessor.from_pretrained(vl_folder)
+    with torch.no_grad():  # end tokens the model is likely to choose early, so that some beams end before the limit
+        likely = engine.model(input_ids=torch.tensor([prompts[3].ids])).logits[0, -1].topk(3).indices.tolist()
+        for model in (engine.model, reference):  # the image token as likely as the likeliest (its embedding is never read: an
+            output = model.get_output_embeddings().weight  # image's features take its place): only the ban keeps beams off it
+            output[reference.config.image_token_id] = output[likely[0]]
+    engine.end_ids = sorted(likely[1:])
+    generations = SingleTurn(engine).generate(prompts, n=3, max_new_tokens=6, batch_size=6)
+    assert [g.images is not None for g in generations] == [True] * 9 + [False] * 3
+    banned = [[i] for i in (reference.config.image_token_id, getattr(reference.config, "video_token_id", None)) if i is not None]
+    for k, (prompt, row) in enumerate(zip(prompts, rows)):
+        ids = torch.tensor([prompt.ids])
+        inputs = {"input_ids": ids, "mm_token_type_ids": (ids == reference.config.image_token_id).int()}
+        if row["images"]:
+            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]], return_tensors="pt"))
+        output = reference.generate(**inputs, num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0, early_stopping=True,
+                                    max_new_tokens=6, eos_token_id=engine.end_ids, pad_token_id=tokenizer.pad_token_id, bad_words_ids=banned)
+        expected = []
+        for beam in output[:, len(prompt.ids):].tolist():
+            end = next((i for i, token in enumerate(beam) if token in engine.end_ids), None)
+            expected.append(beam if end is None else beam[: end + 1])
+        assert [g.response_ids for g in generations[3 * k : 3 * k + 3]] == expected, k
+
+
+@pytest.mark.slow
+def test_grpo_over_catalog_beams_of_image_prompts(tmp_path):
+    """MiniOneRec's beam rollouts (rollout.beam_search over a catalog, the ranking reward) with image and text
+    prompts through `grpo_trainer` on 2 processes: each group's beams are distinct catalog items, and it trains."""
+    from test_grpo import grpo_args
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rl_rows(8))
+    (data / "catalog.txt").write_text("4\n5\n6\n7\n12\n")
+    out = str(tmp_path / "run")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(
+        str(folder), data, out, data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__rollout__beam_search="true",
+        actor_rollout_ref__rollout__catalog_file=str(data / "catalog.txt"), custom_reward_function__path="null",
+        reward__sources="[{name:ranking,function:item_ranking,weight:1.0}]", trainer__total_training_steps=1,
+        trainer__rollout_data_dir=f"{out}/rollouts"))
+    (metrics,) = read_metrics(out)
+    assert metrics["actor/grad_norm"] > 0
+    dumped = [json.loads(line) for line in open(f"{out}/rollouts/1.jsonl")]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert sum("image_grid_thw" in row for row in dumped) == 12
+    for first in range(0, len(dumped), 4):
+        answers = [tokenizer.decode(row["response_ids"], skip_special_tokens=True) for row in dumped[first : first + 4]]
+        assert len(set(answers)) == 4 and set(answers) <= {"4", "5", "6", "7", "12"}, answers
+
+
 def answering_model(folder: str, rows: list[dict], answer: str) -> None:
     """The folder's model fine-tuned in place by a plain torch loop to answer each row's prompt, with its images,
     with `answer` and the end of its turn: a random model rarely ends one."""
@@ -771,7 +836,7 @@ def test_the_evaluation_reads_a_vision_language_models_images(tmp_path, capsys):
     evaluate_main([str(folder), data, "--max-new-tokens", "4", "--out", str(tmp_path / "out.jsonl")])
     records = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
     assert len(records) == 4 and "hiyouga/geometry3k" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="vision-language model .* read by the hf backend, without --beams"):
+    with pytest.raises(SystemExit, match="vision-language model .* read by the hf backend"):
         evaluate_main([str(folder), data, "--backend", "vllm"])
 
 

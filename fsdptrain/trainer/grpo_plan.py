@@ -784,7 +784,6 @@ def check_images_reach(plan: GRPOPlan, model_type: str) -> None:
     unbuilt = {
         f"{ROLLOUT}.name={plan.engine_name}": not ROLLOUT_ENGINES.info[plan.engine_name].images,
         "an asynchronous trainer mode (trainer.v1)": plan.asynchronous is not None,
-        f"{ROLLOUT}.beam_search=true": plan.ranked_responses,
     }
     refused = [name for name, unreached in unbuilt.items() if unreached]
     if refused:

@@ -257,20 +257,24 @@ def generate(
 
 @torch.no_grad()
 def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, max_new_tokens: int, end_ids: list[int], pad_id: int,
-                tree: dict[tuple[int, ...], list[int]] | None, batch_size: int, share_prefix: bool = False) -> list[Generation]:
+                tree: dict[tuple[int, ...], list[int]] | None, batch_size: int, share_prefix: bool = False,
+                images: Sequence[Images | None] | None = None, placeholder_ids: Sequence[int] = ()) -> list[Generation]:
     """Each prompt's `n` beams, best first, through the first end token: transformers' beam search (no sampling, no
     length penalty, early stopping; a beam's score the sum of its tokens' log-probs under the full softmax) with a
     catalog's prefix `tree` as its prefix constraint, in batches of batch_size // n prompts. Our own loop over
     transformers' model and cache because generate forwards each prompt once per beam: at 10 beams and 80-token
-    prompts that is nine tenths of an evaluation's compute. `share_prefix` as `prefill`'s."""
+    prompts that is nine tenths of an evaluation's compute. `share_prefix` as `prefill`'s; a vision-language
+    model's prompt `images` are prefilled with their prompts, and no beam takes one of `placeholder_ids` (its image
+    tokens: transformers' `bad_words_ids`)."""
     generations = []
     per_search = max(batch_size // n, 1)
     for first in range(0, len(prompts), per_search):
         batch = prompts[first : first + per_search]
-        cache, logits, attention_mask, positions = prefill(model, batch, pad_id, share_prefix=share_prefix)
+        batch_images = images[first : first + per_search] if images else None
+        cache, logits, attention_mask, positions = prefill(model, batch, pad_id, batch_images, share_prefix=share_prefix)
         cache.reorder_cache(torch.arange(len(batch), device=logits.device).repeat_interleave(n))
         tokens, finished = search_beams(model, cache, logits.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0),
-                                        positions.repeat_interleave(n, 0), n, max_new_tokens, end_ids, pad_id, tree)
+                                        positions.repeat_interleave(n, 0), n, max_new_tokens, end_ids, pad_id, tree, placeholder_ids)
         for row, ids in enumerate(tokens.view(len(batch) * n, -1).tolist()):
             end = next((i for i, token in enumerate(ids) if token in end_ids), None)
             response = ids if end is None else ids[: end + 1]
@@ -279,8 +283,8 @@ def beam_search(model: PreTrainedModel, prompts: Sequence[list[int]], n: int, ma
 
 
 def search_beams(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, n: int,
-                 max_new_tokens: int, end_ids: list[int], pad_id: int, tree: dict[tuple[int, ...], list[int]] | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_new_tokens: int, end_ids: list[int], pad_id: int, tree: dict[tuple[int, ...], list[int]] | None,
+                 banned_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (prompts, n, max_new_tokens), finished (prompts, n)): the `n` finished beams of each prompt, best
     first, from `n` copies of its next-token `logits` and cache. transformers' rule, step by step: the top
     (1 + end tokens) x n continuations of all beams; those among the first n that end (an end token, or the length
@@ -288,7 +292,7 @@ def search_beams(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, att
     when its n finished beams all score above every running one, the search when every prompt is. One departure:
     where fewer than n continuations are allowed, transformers fills the beams with copies scored -1e9 that end
     as second copies of items; here an impossible beam scores -inf and is never finished, so no item comes twice
-    (a prompt with fewer than n items within reach gets fewer finished beams)."""
+    (a prompt with fewer than n items within reach gets fewer finished beams). No beam takes a `banned_ids` token."""
     rows, vocab, device = logits.shape[0], logits.shape[-1], logits.device
     prompts, keep, never = rows // n, max(2, 1 + len(end_ids)) * n, float("-inf")
     ends = torch.tensor(end_ids, device=device)
@@ -300,8 +304,9 @@ def search_beams(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, att
     done = torch.zeros((prompts, n), dtype=torch.bool, device=device)
     improvable = torch.ones((prompts, 1), dtype=torch.bool, device=device)
     keyword = cache_keyword(model)
+    banned = torch.tensor(list(banned_ids), dtype=torch.long, device=device)
     for step in range(max_new_tokens):
-        log_probs = logits.float().log_softmax(-1)
+        log_probs = logits.float().log_softmax(-1).index_fill(1, banned, never)
         if tree is not None:
             allowed = torch.zeros_like(log_probs, dtype=torch.bool)
             for row, prefix in enumerate(running.view(rows, step).tolist()):
@@ -378,7 +383,8 @@ class HFRollout:
                  top_p: float = 1.0, top_k: int = -1, do_sample: bool = True, calculate_log_probs: bool = False,
                  images: Sequence[Images | None] | None = None) -> list[Generation]:
         if self.beams:
-            return beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog, batch_size, self.share_prefix)
+            return beam_search(self.model, prompts, n, max_new_tokens, self.end_ids, self.pad_id, self.catalog, batch_size, self.share_prefix,
+                               images, self.placeholder_ids)
         return generate(self.model, prompts, n, max_new_tokens, batch_size, self.end_ids, self.pad_id, temperature, top_p, top_k, do_sample,
                         calculate_log_probs, self.catalog, self.refresh, images, self.placeholder_ids, self.share_prefix)
 
