@@ -681,6 +681,39 @@ def test_a_vision_language_reward_model_scores_each_response_with_its_prompts_im
 
 
 @pytest.mark.slow
+def test_the_asynchronous_modes_with_nothing_in_flight_train_image_prompts_as_the_synchronous_run(tmp_path):
+    """Image and text prompts, fp32: standalone rollout ranks at lag 0 (2 training + 2 rollout ranks, separate_async)
+    and colocate_async with no batch in flight ahead (2 ranks) each give the synchronous run on 2 ranks: the same
+    responses, scores, losses and gradient norms, step by step."""
+    from test_async import SEPARATE, dumped
+
+    from test_grpo import grpo_args
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rl_rows(16))
+    (data / "reward.py").write_text(RL_REWARD)
+    common = dict(data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__model__fsdp_config__model_dtype="fp32")
+    runs = {"sync": (2, {}), "separate": (4, {**SEPARATE, "actor_rollout_ref__rollout__n_gpus_per_node": 2,
+                                               "trainer__v1__separate_async__parameter_sync_step": 1,
+                                               "trainer__v1__sampler__max_off_policy_threshold": 0, "trainer__v1__sampler__max_off_policy_strategy": "wait"}),
+            "colocate": (2, {"trainer__v1__trainer_mode": "colocate_async", "trainer__v1__colocate_async__num_warmup_batches": 0})}
+    metrics = {}
+    for name, (processes, mode) in runs.items():
+        out = str(tmp_path / name)
+        torchrun(processes, "fsdptrain.grpo_trainer", grpo_args(str(folder), data, out, **common, **mode, trainer__rollout_data_dir=f"{out}/rollouts"))
+        metrics[name] = read_metrics(out)
+    assert sum("image_grid_thw" in row for row in dumped(str(tmp_path / "sync"))[1]) == 12
+    for name in ("separate", "colocate"):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
+            assert [m[key] for m in metrics[name]] == pytest.approx([m[key] for m in metrics["sync"]], rel=1e-6, abs=1e-7), (name, key)
+        for step, rows in dumped(str(tmp_path / name)).items():
+            assert [r["response_ids"] for r in rows] == [r["response_ids"] for r in dumped(str(tmp_path / "sync"))[step]], (name, step)
+
+
+@pytest.mark.slow
 def test_a_distillation_teacher_reads_the_policys_images(tmp_path, capsys):
     """On-policy distillation of a vision-language policy on 2 processes with image and text prompts: a teacher that
     is the policy's own folder gives a first step's top-k forward KL of 0 (a teacher shown other images, or none,

@@ -779,16 +779,12 @@ def fit_to_architecture(plan: GRPOPlan, architecture: Architecture, critic_archi
 
 
 def check_images_reach(plan: GRPOPlan, model_type: str) -> None:
-    """A vision-language policy's images reach its rollout, its old and reference log-probs and its update; the
-    parts of a run they would not reach are refused by name."""
-    unbuilt = {
-        f"{ROLLOUT}.name={plan.engine_name}": not ROLLOUT_ENGINES.info[plan.engine_name].images,
-        "an asynchronous trainer mode (trainer.v1)": plan.asynchronous is not None,
-    }
-    refused = [name for name, unreached in unbuilt.items() if unreached]
-    if refused:
+    """A vision-language policy's images reach every part of a run (rollouts in every trainer mode, the log-probs,
+    the critic, reward model and teacher, the update) but a rollout engine that cannot read them, refused by name."""
+    if not ROLLOUT_ENGINES.info[plan.engine_name].images:
         raise ConfigError(f"actor_rollout_ref.model.path is a vision-language model ({model_type}); its images do not reach "
-                          f"{', '.join(refused)}: not built for images yet (the hf rollout engine in the sync mode)")
+                          f"{ROLLOUT}.name={plan.engine_name}: not built for images yet (rollout engines that read them: "
+                          f"{', '.join(ROLLOUT_ENGINES.names(images=True))})")
 
 
 def frozen_fsdp(actor: FSDPConfig, own: RefFSDPConfig) -> FSDPConfig:

@@ -54,7 +54,7 @@ class InFlightGroup:
 
     def generations(self, end_ids: list[int], with_log_probs: bool) -> list[Generation]:
         return [Generation(self.prompt.ids, r.tokens, [1] * len(r.tokens), r.log_probs if with_log_probs else None,
-                           r.tokens[-1] not in end_ids, versions=r.versions) for r in self.responses]
+                           not r.tokens or r.tokens[-1] not in end_ids, versions=r.versions, images=self.prompt.images) for r in self.responses]
 
 
 @dataclass
@@ -132,16 +132,18 @@ class ResponsePool:
         per_batch = max(1, request.batch_size // request.n) * min(request.n, request.batch_size)
         while sum(g.complete for g in self.groups if wanted(g)) < count:
             rows = [(g, r) for g in self.groups for r in g.responses if not r.finished][:per_batch]
-            sequences = [tuple(g.prompt.ids + r.tokens) for g, r in rows]
-            distinct = list(dict.fromkeys(sequences))
-            where = {sequence: i for i, sequence in enumerate(distinct)}
-            cache, logits, attention_mask, positions = prefill(engine.model, [list(s) for s in distinct], engine.pad_id)
-            index = torch.tensor([where[s] for s in sequences], device=logits.device)
+            # a sequence is its tokens and its prompt's images: the same question of two images is two sequences
+            sequences = [(g.prompt.images, tuple(g.prompt.ids + r.tokens)) for g, r in rows]
+            distinct = list({(id(images), tokens): (images, tokens) for images, tokens in sequences}.values())
+            where = {(id(images), tokens): i for i, (images, tokens) in enumerate(distinct)}
+            images = [images for images, _ in distinct] if any(images is not None for images, _ in distinct) else None
+            cache, logits, attention_mask, positions = prefill(engine.model, [list(tokens) for _, tokens in distinct], engine.pad_id, images)
+            index = torch.tensor([where[id(images), tokens] for images, tokens in sequences], device=logits.device)
             cache.reorder_cache(index)
             budgets = torch.tensor([request.max_new_tokens - len(r.tokens) for _, r in rows])
             decoded = decode(engine.model, cache, logits[index], attention_mask[index], positions[index], int(budgets.max()), engine.end_ids,
                              engine.pad_id, warp, request.do_sample, temperature=request.temperature, budgets=budgets,
-                             enough=self.enough_when(rows, count, wanted), version=self.version)
+                             enough=self.enough_when(rows, count, wanted), version=self.version, placeholder_ids=engine.placeholder_ids)
             unfinished = set(decoded.unfinished)
             for row, ((_, response), drawn) in enumerate(zip(rows, decoded.drawn.tolist())):
                 response.tokens += decoded.tokens[row, :drawn].tolist()
