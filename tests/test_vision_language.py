@@ -714,6 +714,42 @@ def test_the_asynchronous_modes_with_nothing_in_flight_train_image_prompts_as_th
 
 
 @pytest.mark.slow
+def test_lora_grpo_of_a_vision_language_model_adapts_its_decoder_and_samples_from_the_merged_weights(tmp_path):
+    """LoRA (all-linear, verl's default) on a vision-language policy, 2 processes, image and text prompts, the KL to
+    the adapters-off reference: the adapters go on the language decoder (the vision tower stays as loaded: its
+    merger is in no sharded layer), the engine samples from the merged weights (its log-probs are the trainer's),
+    and peft's own merge of the saved adapter into the pretrained model is the run's export."""
+    from peft import PeftModel
+
+    from test_grpo import grpo_args
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rl_rows(8))
+    (data / "reward.py").write_text(RL_REWARD)
+    out = str(tmp_path / "run")
+    torchrun(2, "fsdptrain.grpo_trainer", grpo_args(
+        str(folder), data, out, data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__model__lora_rank=4,
+        actor_rollout_ref__model__lora_alpha=8, actor_rollout_ref__actor__optim__lr="1e-2", actor_rollout_ref__actor__use_kl_loss="true",
+        actor_rollout_ref__rollout__calculate_log_probs="true", trainer__save_freq=2,
+        trainer__checkpoint__save_contents="[model,optimizer,extra,hf_model,lora_adapter]"))
+    metrics = read_metrics(out)
+    assert all(m["training/rollout_probs_diff_max"] < 1e-4 for m in metrics) and metrics[1]["actor/kl_loss"] > 1e-6
+    adapter = f"{out}/global_step_2/lora_adapter"
+    names = list(load_file(f"{adapter}/adapter_model.safetensors"))
+    assert any(".language_model." in name for name in names) and not any(".visual." in name for name in names)
+    base = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32), adapter).merge_and_unload()
+    exported = AutoModelForImageTextToText.from_pretrained(f"{out}/global_step_2/huggingface", dtype=torch.float32)
+    assert_same_weights(exported.state_dict(), merged.state_dict(), atol=1e-6)
+    pretrained = base.state_dict()
+    moved = {name for name, tensor in exported.state_dict().items() if not torch.equal(tensor, pretrained[name])}
+    assert moved and all(".language_model." in name for name in moved), sorted(moved)
+
+
+@pytest.mark.slow
 def test_a_distillation_teacher_reads_the_policys_images(tmp_path, capsys):
     """On-policy distillation of a vision-language policy on 2 processes with image and text prompts: a teacher that
     is the policy's own folder gives a first step's top-k forward KL of 0 (a teacher shown other images, or none,

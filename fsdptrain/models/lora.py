@@ -11,14 +11,17 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from transformers import PretrainedConfig
 
 from fsdptrain.config.shared import LoRASettings
 from fsdptrain.distributed.fsdp import decoder_layers, full_parameters
 from fsdptrain.errors import ConfigError
+from fsdptrain.models.vision import VISION_TOWER_MODULES, is_vision_language
 
 ADAPTER = "default"  # peft's adapter name: the one adapter a model trains here
 BASE, LORA_A, LORA_B = ".base_layer.", f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
@@ -29,6 +32,15 @@ def peft_config(lora: LoRASettings, base_model: str | None = None):
 
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules, exclude_modules=lora.exclude_modules,
                       lora_dropout=lora.dropout, base_model_name_or_path=base_model, task_type="CAUSAL_LM")
+
+
+def for_model(lora: LoRASettings | None, hf_config: PretrainedConfig) -> LoRASettings | None:
+    """`lora` as it applies to a model of `hf_config`: on a vision-language model, target_modules="all-linear"
+    without exclude_modules adapts the language decoder and leaves the vision tower as loaded (its merger is in no
+    sharded layer, where adapters live; the tower's modules can be named in target_modules)."""
+    if lora is None or not is_vision_language(hf_config) or lora.target_modules != "all-linear" or lora.exclude_modules is not None:
+        return lora
+    return replace(lora, exclude_modules=VISION_TOWER_MODULES)
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

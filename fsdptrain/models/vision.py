@@ -141,6 +141,9 @@ def image_placeholder_ids(hf_config: PretrainedConfig) -> list[int]:
     return [i for i in (hf_config.image_token_id, getattr(hf_config, "video_token_id", None)) if i is not None]
 
 
+VISION_TOWER_MODULES = r"model\.visual\..*"  # peft's exclude_modules (a regular expression) for the tower's modules
+
+
 def vision_tower(model: nn.Module) -> nn.Module:
     """The vision encoder and its merger into the decoder's width (transformers names it `visual` in these models)."""
     return model.get_submodule("model.visual")

@@ -29,6 +29,7 @@ from fsdptrain.logging.metrics import MetricLogger, StepLines, progress_bar
 from fsdptrain.models.added_tokens import AddedTokens, TrainedRows
 from fsdptrain.models.liger import apply_liger_kernels
 from fsdptrain.models.loading import build_model
+from fsdptrain.models.lora import for_model
 from fsdptrain.optim import build_optimizer, build_scheduler
 from fsdptrain.trainer.runtime import announce_once, apply_cpu_speedups, quiet_non_main, seed_everything
 
@@ -176,7 +177,7 @@ def open_run(
     """Build the trained model (`spec`'s; its adapters alone, if it has them), its optimizer and LR schedule, resume the
     checkpoint that trainer.resume_mode selects (with the trainer's own `states` beside the scheduler, and its
     `companions`: other models with their optimizers, or None for a model that moves untrained), and open the logger and progress bar."""
-    path, model, fsdp, optim, lora = spec.path, spec.model, spec.fsdp, spec.optim, spec.lora
+    path, model, fsdp, optim, lora = spec.path, spec.model, spec.fsdp, spec.optim, for_model(spec.lora, hf_config)
     trained = build_sharded_model(path, model, fsdp, hf_config, trainer, parallel, spec.packed, trainable=True, lora=lora, added=added)
     trained_rows = TrainedRows(trained, added.ids) if isinstance(model, LanguageModelConfig) and model.freeze_llm else None
     optimizer = build_optimizer(trained, optim)
