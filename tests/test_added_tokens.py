@@ -205,3 +205,28 @@ print(json.dumps({{"hf": strip(hf[0, len(prompt):].tolist()), "vllm": strip(list
     answer = json.loads(next(line for line in result.stdout.splitlines() if line.startswith('{"hf"')))
     assert answer["vllm"] == answer["hf"]
     assert any(token >= len(tokenizer) for token in answer["hf"]), answer  # it answers in the added tokens
+
+
+@pytest.mark.slow
+def test_a_vision_language_model_grows_its_decoders_token_matrices(tmp_path, catalog):
+    """Added tokens and freeze_llm on a tiny Qwen2.5-VL (its vocabulary is its decoder's, in text_config): the
+    export's embedding has a row for every token, the added rows train and every pretrained weight (the vision
+    tower's among them) ends as it began; transformers loads the export."""
+    from transformers import AutoModelForImageTextToText
+
+    import make_tiny
+
+    folder = tmp_path / "model"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    out = str(tmp_path / "run")
+    sft_with_tokens(1, str(folder), catalog, out, trainer__total_training_steps=2)
+    export = os.path.join(out, "global_step_2", "huggingface")
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids = tokenizer.convert_tokens_to_ids(tokens_of(catalog))
+    pretrained, trained = (AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).state_dict() for path in (folder, export))
+    embedding = "model.language_model.embed_tokens.weight"
+    assert trained[embedding].shape[0] == len(tokenizer) > pretrained[embedding].shape[0]
+    first = AutoModelForImageTextToText.from_pretrained(os.path.join(out, "global_step_1", "huggingface"), dtype=torch.float32).state_dict()
+    assert bool(((trained[embedding][ids] - first[embedding][ids]).abs().amax(dim=1) > 0).any())
+    for name, tensor in pretrained.items():
+        assert torch.equal(trained[name][: tensor.shape[0]], tensor), name

@@ -79,17 +79,18 @@ class AddedTokens:
 
 def add_model_tokens(model: LanguageModelConfig, key: str, tokenizer: PreTrainedTokenizerBase,
                      hf_config: PretrainedConfig) -> AddedTokens | None:
-    """The tokens of `model.added_tokens_file` (`key`: its section) added to `tokenizer`, and `hf_config`'s
-    vocab_size raised to hold every token id; None without the key."""
+    """The tokens of `model.added_tokens_file` (`key`: its section) added to `tokenizer`, and `hf_config`'s (its
+    decoder's) vocab_size raised to hold every token id; None without the key."""
     if not model.added_tokens_file:
         return None
     tokens = read_added_tokens(model.added_tokens_file, f"{key}.added_tokens_file")
-    old_tokens, pretrained_rows = len(tokenizer), hf_config.vocab_size
+    text_config = hf_config.get_text_config()  # a vision-language model's token matrices are its decoder's
+    old_tokens, pretrained_rows = len(tokenizer), text_config.vocab_size
     new = [token for token in tokens if token not in tokenizer.get_vocab()]
     pieces = [tokenizer(token, add_special_tokens=False)["input_ids"] for token in new] if model.added_tokens_init == "pieces" else None
     tokenizer.add_tokens(new)
     ids = tokenizer.convert_tokens_to_ids(tokens)
-    hf_config.vocab_size = max(pretrained_rows, len(tokenizer))
+    text_config.vocab_size = max(pretrained_rows, len(tokenizer))
     return AddedTokens(pretrained_rows, old_tokens, tokenizer.convert_tokens_to_ids(new), ids, pieces)
 
 

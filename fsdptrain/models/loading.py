@@ -126,7 +126,7 @@ def load_pretrained(path: str, config: ModelConfig, hf_config: PretrainedConfig,
     pretrained_config = hf_config
     if added is not None:  # the folder's own rows, grown after loading
         pretrained_config = copy.deepcopy(hf_config)
-        pretrained_config.vocab_size = added.pretrained_rows
+        pretrained_config.get_text_config().vocab_size = added.pretrained_rows
     # transformers' own load report is a table with terminal colour codes, and for a value or reward head built on a
     # causal LM's folder its only news is that head: it is filtered out (a raised level would switch on transformers'
     # tensor-parallel plan check, with its own warning), and what else it would say is said plainly.
@@ -140,7 +140,7 @@ def load_pretrained(path: str, config: ModelConfig, hf_config: PretrainedConfig,
         report.removeFilter(load_report)
     say_surprising_keys(pretrained, info, path, new_head=auto_class is not AutoModelForCausalLM)
     if added is not None:
-        grow_embeddings(pretrained, hf_config.vocab_size, added, seed)
+        grow_embeddings(pretrained, hf_config.get_text_config().vocab_size, added, seed)
     if lora is not None:
         add_adapters(pretrained, lora, seed)
     return pretrained

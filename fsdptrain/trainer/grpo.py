@@ -268,7 +268,7 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     critic_config = critic_model_config(plan.critic_model, len(tokenizer), plan.sp_size) if plan.critic_model is not None else None
     plan = fit_to_architecture(plan, read_architecture(hf_config), read_architecture(critic_config) if critic_config is not None else None)
     added = add_model_tokens(spec.model, "actor_rollout_ref.model", tokenizer, hf_config)
-    if added is not None and hf_config.vocab_size > added.pretrained_rows:
+    if added is not None and hf_config.get_text_config().vocab_size > added.pretrained_rows:
         raise ConfigError(f"actor_rollout_ref.model.added_tokens_file: {len(added.new_ids)} tokens are new to "
                           f"actor_rollout_ref.model.path={spec.path!r}, past its {added.pretrained_rows} embedding rows, and its "
                           "rollout engine loads the folder as it is: add them by SFT (model.added_tokens_file) and train GRPO from "
