@@ -284,6 +284,17 @@ def test_a_reward_function_that_asks_for_images_is_given_each_rows_images(tmp_pa
     assert all(s["acc"] == 1.0 for s in score_responses(blind, tokenizer, prompts, responses, [0, 1, 2, 3], ""))
 
 
+def test_a_rollout_dump_names_images_by_their_path_or_writes_their_bytes_once():
+    import hashlib
+
+    from fsdptrain.rl.metrics import dumped_images
+
+    png, files = picture(0, 8, 8), {}
+    names = dumped_images([{"bytes": png, "path": None}, {"bytes": None, "path": "/data/a.jpg"}, "file:///data/b.png", png], files)
+    written = f"images/{hashlib.sha1(png).hexdigest()}.png"
+    assert names == [written, "/data/a.jpg", "file:///data/b.png", written] and files == {written: png}
+
+
 def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution(vl_folder, tmp_path):
     """Image and text prompts in one batch, n responses each from one prefill: each sampled token's log-prob is a
     plain forward's, and so are the trainer's and a distillation teacher's top-k, from the responses packed after
@@ -586,6 +597,13 @@ def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactl
     dumped = [json.loads(line) for line in open(f"{straight}/rollouts/1.jsonl")]
     assert len(dumped) == 16 and sum("image_grid_thw" in row for row in dumped) == 12  # every fourth prompt is text only
     assert [row["image_count"] for row in dumped] == [len(row.get("image_grid_thw", [])) for row in dumped]  # the reward saw them
+    pictures, processor = {image["bytes"] for row in rl_rows(16) for image in row["images"]}, AutoImageProcessor.from_pretrained(folder)
+    for row in dumped:  # each prompt's images, written beside the dump as the rows hold them, of the row's patch grids
+        files = [(Path(straight) / "rollouts" / name).read_bytes() for name in row.get("images", [])]
+        assert len(files) == len(row.get("image_grid_thw", [])) and all(data in pictures for data in files)
+        if files:
+            grids = processor(images=[Image.open(io.BytesIO(data)).convert("RGB") for data in files], return_tensors="pt")["image_grid_thw"]
+            assert grids.tolist() == row["image_grid_thw"]
     metrics = read_metrics(straight)
     assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["prompt_length/max"] > 30  # image tokens in the prompts
     assert "val-core/shapes/acc/mean@1" in metrics[-1] or any(k.startswith("val-core/") for k in metrics[-1])

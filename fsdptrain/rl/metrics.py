@@ -1,11 +1,14 @@
 """What a GRPO step reports: verl's per-step data metrics over every sample, the rollout dump, and the plots."""
 
+import hashlib
+import io
 import json
 import math
 import os
 from collections.abc import Sequence
 
 import torch
+from PIL import Image
 
 from fsdptrain.data.dataset import Sample
 from fsdptrain.distributed.mesh import Parallel
@@ -110,17 +113,48 @@ def dump_rollouts(directory: str, step: int, prompts: Sequence[Prompt], group_id
     """`{directory}/{step}.jsonl`: each response with its prompt, ground truth, scores and advantage, the prompt
     batch it was drawn in and the oldest policy version that generated it (`origins`, by group; with partial
     rollouts each token's, `token_versions`), and the token ids that were trained on (response_mask 1); a multi-turn trajectory's turns, each marked `trained` or not, with its
-    counts; a vision-language model's prompt images as their patch grids (`image_grid_thw`; rank 0 writes)."""
-    rows = [{"prompt": prompts[group].messages, "ground_truth": prompts[group].ground_truth, "data_source": prompts[group].data_source,
-             **s, "advantage": a, "batch": origins[group][0], "policy_version": origins[group][1],
-             "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
-             **({} if g.versions is None else {"token_versions": g.versions}),
-             **({} if g.images is None else {"image_grid_thw": g.images.inputs["image_grid_thw"].tolist()}),
-             **({} if g.trace is None else {"turns": g.trace.messages, "trace": {k: v for k, v in vars(g.trace).items() if k != "messages"}})}
-            for group, s, g, a in zip(group_ids, scored, generations, advantages)]
+    counts; a vision-language model's prompt images (`images`, see dumped_images) with their patch grids
+    (`image_grid_thw`). Rank 0 writes."""
+    files: dict[str, bytes] = {}
+    rows = []
+    for group, s, g, a in zip(group_ids, scored, generations, advantages):
+        images = dumped_images(prompts[group].stored_images, files) if prompts[group].stored_images else None
+        rows.append({"prompt": prompts[group].messages, "ground_truth": prompts[group].ground_truth, "data_source": prompts[group].data_source,
+                     **s, "advantage": a, "batch": origins[group][0], "policy_version": origins[group][1],
+                     "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "response_mask": g.response_mask,
+                     **({} if g.versions is None else {"token_versions": g.versions}),
+                     **({} if images is None else {"images": images}),
+                     **({} if g.images is None else {"image_grid_thw": g.images.inputs["image_grid_thw"].tolist()}),
+                     **({} if g.trace is None else {"turns": g.trace.messages, "trace": {k: v for k, v in vars(g.trace).items() if k != "messages"}})})
     every_row = gather_lists(rows, parallel.dp_group)
+    every_file = {name: data for ranks in gather_lists([files], parallel.dp_group) for name, data in ranks.items()}
     if parallel.is_main:
         os.makedirs(directory, exist_ok=True)
+        for name, data in every_file.items():
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(f"{path}.tmp", "wb") as f:
+                    f.write(data)
+                os.replace(f"{path}.tmp", path)
         with open(os.path.join(directory, f"{step}.jsonl"), "w") as f:
             for row in every_row:
                 f.write(json.dumps(row, default=str) + "\n")
+
+
+def dumped_images(stored: Sequence, files: dict[str, bytes]) -> list[str]:
+    """A prompt's images as a rollout dump names them: an image the row gives by path, its path; one it holds as
+    bytes, `images/<sha1 of the bytes>.<format>` beside the dump, its bytes added to `files` to be written there
+    once (the same image in every step's dump is one file)."""
+    names = []
+    for value in stored:
+        data = value.get("bytes") if isinstance(value, dict) else value if isinstance(value, bytes) else None
+        if data is None:
+            names.append(value.get("path") or value.get("image") if isinstance(value, dict) else str(value))
+            continue
+        with Image.open(io.BytesIO(data)) as image:
+            kind = (image.format or "img").lower()
+        name = f"images/{hashlib.sha1(data).hexdigest()}.{kind}"
+        files[name] = data
+        names.append(name)
+    return names
