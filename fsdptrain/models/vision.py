@@ -1,7 +1,8 @@
 """Vision-language models: which train here, how they are built, and the 3-D rotary positions of their rows.
 
 A vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V and their MoE variants) is built with its vision
-tower by AutoModelForImageTextToText. Its decoder runs the trainer's packed attention; the tower keeps transformers'
+tower by AutoModelForImageTextToText, and with a value or score head (a critic, a reward model) by a token-
+classification class registered here. Its decoder runs the trainer's packed attention; the tower keeps transformers'
 own (its attention is bidirectional within each image, which the packed causal attention is not).
 
 Its rotary positions are 3-D (mrope: time, height, width): an image's tokens take the positions of its patch grid
@@ -116,14 +117,28 @@ def register_token_classification(config_class: type[PretrainedConfig]) -> None:
         def set_input_embeddings(self, value: nn.Module) -> None:
             self.model.set_input_embeddings(value)
 
-        def forward(self, **inputs) -> TokenClassifierOutput:
-            return TokenClassifierOutput(logits=self.score(self.model(**inputs).last_hidden_state))
+        def forward(self, input_ids: torch.Tensor | None = None, **inputs) -> TokenClassifierOutput:
+            return TokenClassifierOutput(logits=self.score(self.model(input_ids=input_ids, **inputs).last_hidden_state))
 
     ForTokenClassification.__name__ = ForTokenClassification.__qualname__ = backbone.__name__.removesuffix("Model") + "ForTokenClassification"
     # transformers decides what a class supports (setting its attention or experts implementation) by reading the
     # source of the module that defines it: this one's is the backbone's
     ForTokenClassification.__module__ = backbone.__module__
     AutoModelForTokenClassification.register(config_class, ForTokenClassification, exist_ok=True)
+
+
+def folder_tensor(path: str, name: str) -> torch.Tensor | None:
+    """The tensor `name` of a model folder's safetensors weights (one file or shards with their index), or None."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            file = json.load(f)["weight_map"].get(name)
+    else:
+        file = "model.safetensors" if os.path.isfile(os.path.join(path, "model.safetensors")) else None
+    if file is None:
+        return None
+    with safe_open(os.path.join(path, file), framework="pt") as weights:
+        return weights.get_tensor(name) if name in weights.keys() else None
 
 
 def attention_setting(hf_config: PretrainedConfig, decoder_attention: str) -> str | dict[str, str]:
@@ -186,20 +201,6 @@ def _share_of_row(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         kwargs["visual_pos_masks"] = visual[:, low:high]
         kwargs["deepstack_visual_embeds"] = [features[first:last] for features in kwargs["deepstack_visual_embeds"]]
     return args, kwargs
-
-
-def folder_tensor(path: str, name: str) -> torch.Tensor | None:
-    """The tensor `name` of a model folder's safetensors weights (one file or shards with their index), or None."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            file = json.load(f)["weight_map"].get(name)
-    else:
-        file = "model.safetensors" if os.path.isfile(os.path.join(path, "model.safetensors")) else None
-    if file is None:
-        return None
-    with safe_open(os.path.join(path, file), framework="pt") as weights:
-        return weights.get_tensor(name) if name in weights.keys() else None
 
 
 def _note_images(seen: SimpleNamespace, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -260,7 +260,7 @@ def with_extra_info(fn: RewardFn, extra: dict[str, Any]) -> RewardFn:
 
     def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
                       images: list[Image.Image] | None = None) -> Any:
-        return call(fn, data_source, solution_str, ground_truth, {**(extra_info or {}), **extra}, images)
+        return call_reward(fn, data_source, solution_str, ground_truth, {**(extra_info or {}), **extra}, images)
 
     return compute_score
 
@@ -273,7 +273,7 @@ def asks_for_images(fn: RewardFn) -> bool:
         return False
 
 
-def call(fn: RewardFn, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None, images: list[Image.Image] | None) -> Any:
+def call_reward(fn: RewardFn, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None, images: list[Image.Image] | None) -> Any:
     """`fn` on one sample, given its images where it asks for them."""
     if images is not None and asks_for_images(fn):
         return fn(data_source, solution_str, ground_truth, extra_info, images=images)
@@ -285,7 +285,7 @@ def score_sample(fn: RewardFn, data_source: str, response: str, ground_truth: An
     """The reward of one sample as a dict with a float `score` (and `acc`: the given one, else score > 0); a failure
     or a result that is not a finite number raises naming the sample, never a silent 0."""
     try:
-        result = call(fn, data_source, response, ground_truth, extra_info, images)
+        result = call_reward(fn, data_source, response, ground_truth, extra_info, images)
     except Exception as e:
         raise RewardError(f"the reward function failed on {sample}: {type(e).__name__}: {e}") from e
     scores = dict(result) if isinstance(result, dict) else {"score": result}

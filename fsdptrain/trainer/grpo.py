@@ -284,11 +284,7 @@ def read_grpo_inputs(plan: GRPOPlan, tokenizer: PreTrainedTokenizerBase) -> GRPO
     loops = build_loops(LoopContext(None, tokenizer, plan.multi_turn, tools, interactions, data.apply_chat_template_kwargs, images), [*train, *val])
     reward_config = reward_model_config(plan.reward.model.spec) if plan.reward.model is not None else None
     with_images = images if any(prompt.images is not None for prompt in [*train, *val]) else None
-    if reward_config is not None and with_images is not None:
-        check_reward_model_reads_images(plan.reward.model.spec, reward_config, tokenizer, with_images, hf_config.model_type)
-    if critic_config is not None:
-        check_reads_images_alike(with_images, hf_config.model_type, plan.critic_model.path, critic_config, "critic.model.path",
-                                 plan.critic_model.model.trust_remote_code)
+    check_companions_read_images(plan, with_images, hf_config.model_type, tokenizer, critic_config, reward_config)
     teacher_config = teacher_model_config(plan.teacher.spec, tokenizer, plan.sp_size, with_images, hf_config.model_type) if plan.teacher is not None else None
     return GRPOInputs(plan, tokenizer, hf_config, reward_fn, train, val, total_steps, added, critic_config=critic_config, reward_config=reward_config,
                       teacher_config=teacher_config, loops=loops)
@@ -453,15 +449,22 @@ def reward_model_config(spec: ModelSpec) -> PretrainedConfig:
     return hf_config
 
 
-def check_reward_model_reads_images(spec: ModelSpec, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, images: ImageReader,
-                                    policy_type: str) -> None:
-    """A reward model of image prompts scores the policy's ids with their images: it reads images as the policy
-    does and shares its tokenizer (a conversation templated again with another would lose its images)."""
-    key = "reward_model.model.path"
-    check_reads_images_alike(images, policy_type, spec.path, hf_config, key, spec.model.trust_remote_code)
-    if not same_tokenizer(load_tokenizer(spec.path, key, spec.model), tokenizer):
-        raise ConfigError(f"{key}={spec.path!r} has another tokenizer or chat template than actor_rollout_ref.model.path: its conversations "
-                          "would be templated again with its own, which does not carry the prompts' images; give it the policy's")
+def check_companions_read_images(plan: GRPOPlan, images: ImageReader | None, policy_type: str, tokenizer: PreTrainedTokenizerBase,
+                                 critic_config: PretrainedConfig | None, reward_config: PretrainedConfig | None) -> None:
+    """Where the prompts hold images (`images`: the policy's reader), the critic and the reward model are given them
+    as the policy reads them: each must read them alike, and the reward model must share the policy's tokenizer (a
+    conversation templated again with another would lose its images)."""
+    if images is None:
+        return
+    if critic_config is not None:
+        spec = plan.critic_model
+        check_reads_images_alike(images, policy_type, spec.path, critic_config, "critic.model.path", spec.model.trust_remote_code)
+    if reward_config is not None:
+        spec, key = plan.reward.model.spec, "reward_model.model.path"
+        check_reads_images_alike(images, policy_type, spec.path, reward_config, key, spec.model.trust_remote_code)
+        if not same_tokenizer(load_tokenizer(spec.path, key, spec.model), tokenizer):
+            raise ConfigError(f"{key}={spec.path!r} has another tokenizer or chat template than actor_rollout_ref.model.path: its "
+                              "conversations would be templated again with its own, which does not carry the prompts' images; give it the policy's")
 
 
 def build_reward_model(settings: RewardModelPlan, trainer: GRPOTrainerConfig, parallel: Parallel, policy_tokenizer,
