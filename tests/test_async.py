@@ -89,7 +89,7 @@ def test_the_launch_shape_counts_the_rollout_ranks_apart():
 
 def dumped(out: str) -> dict[int, list[dict]]:
     return {int(name.removesuffix(".jsonl")): [json.loads(line) for line in open(os.path.join(out, "rollouts", name))]
-            for name in os.listdir(os.path.join(out, "rollouts"))}
+            for name in os.listdir(os.path.join(out, "rollouts")) if name.endswith(".jsonl")}
 
 
 @pytest.fixture(scope="module")
