@@ -72,7 +72,7 @@ def run(mode: str, data: str, args) -> dict:
                      f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out}/rollouts", *overrides], env={"OMP_NUM_THREADS": "1"})
     logged = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     metrics = logged[1:] or logged
-    lengths = [len(json.loads(line)["response_ids"]) for name in os.listdir(os.path.join(out, "rollouts"))
+    lengths = [len(json.loads(line)["response_ids"]) for name in os.listdir(os.path.join(out, "rollouts")) if name.endswith(".jsonl")
                for line in open(os.path.join(out, "rollouts", name))]
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in metrics)  # noqa: E731
     return {"step_s": mean("timing_s/step"), "samples_per_s": args.prompts * args.responses / mean("timing_s/step"),

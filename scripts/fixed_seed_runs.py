@@ -104,8 +104,8 @@ def compare(before: str, after: str) -> list[str]:
             found.append(f"{name}: ran in one of the two only")
             continue
         found += [f"{name}: {line}" for line in differences(read(f"{a}/metrics.jsonl"), read(f"{b}/metrics.jsonl"), 0.0, 0.0)]
-        dumps = sorted(os.listdir(f"{a}/rollouts"))
-        if dumps != sorted(os.listdir(f"{b}/rollouts")):
+        dumps = sorted(name for name in os.listdir(f"{a}/rollouts") if name.endswith(".jsonl"))  # beside them: a VLM's images/
+        if dumps != sorted(name for name in os.listdir(f"{b}/rollouts") if name.endswith(".jsonl")):
             found.append(f"{name}: rollout dumps differ in their files")
         found += [f"{name}: rollouts/{d} differs" for d in dumps if not filecmp.cmp(f"{a}/rollouts/{d}", f"{b}/rollouts/{d}", shallow=False)]
         print(f"{name}: compared {len(read(f'{a}/metrics.jsonl'))} steps and {len(dumps)} rollout dumps")
