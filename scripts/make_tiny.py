@@ -117,8 +117,12 @@ VISION_LANGUAGE = {
     "qwen3_vl_moe": (QWEN_IMAGE_TOKENS, dict(deepstack_visual_indexes=[0], num_position_embeddings=64),
                      dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
     "glm4v": (GLM_IMAGE_TOKENS, dict(image_size=32), dict(mrope_section=[1, 1, 2], partial_rotary_factor=0.5)),
+    "glm4v_moe": (GLM_IMAGE_TOKENS, dict(image_size=32), dict(mrope_section=[1, 1, 2], partial_rotary_factor=0.5)),
+    "qwen2_vl": (QWEN_IMAGE_TOKENS, {}, dict(mrope_section=[2, 3, 3])),
 }
-VISION_LANGUAGE_TEXT = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)}
+VISION_LANGUAGE_TEXT = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+                        "glm4v_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                          first_k_dense_replace=1, n_group=1, topk_group=1)}
 
 
 def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: int, out: str, layers: int = 2, width: int = 64) -> None:
@@ -138,6 +142,8 @@ def tiny_vision_language(arch: str, tokenizer: PreTrainedTokenizerBase, seed: in
                 **VISION_LANGUAGE_TEXT.get(arch, {}))
     vision = dict(depth=2, hidden_size=width // 2, intermediate_size=width, num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
                   out_hidden_size=width, **vision)
+    if arch == "qwen2_vl":  # Qwen2-VL's tower calls its width embed_dim and its output's hidden_size
+        vision.update(embed_dim=width // 2, hidden_size=width, mlp_ratio=2)
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in image_tokens.items()}
     config = AutoConfig.for_model(arch, text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)

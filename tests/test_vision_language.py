@@ -1,6 +1,7 @@
-"""Vision-language models (Qwen2.5-VL, Qwen3-VL, GLM-4.1V): images read from rows in verl's layout give a plain
-transformers forward's per-token log-probs on every path (a packed row, its second sequence included; a shared
-prompt; padded rows), and SFT trains them on 2 processes.
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, GLM-4.1V and its MoE): images read from rows
+in verl's layout give a plain transformers forward's per-token log-probs on every path (a packed row, its second
+sequence included; a shared prompt; padded rows; rollouts, beams, multi-turn trajectories; a critic's values, a
+reward model's scores, a teacher's top-k), and SFT and GRPO train them on 2 processes in every mode.
 
 The reference is written without the trainer's code: the image marks expanded in the text as transformers'
 processors expand them, tokenized, and one forward per sequence with `mm_token_type_ids` (the model then computes
@@ -405,22 +406,24 @@ def test_beams_of_image_prompts_are_transformers_beam_search_with_the_images(vl_
                            images=image_reader(vl_folder, "model", "images", tokenizer, AutoConfig.from_pretrained(vl_folder), False))
     engine = HFRollout(vl_folder, torch.device("cpu"), torch.float32, pad_id=tokenizer.pad_token_id, beams=True)
     reference, processor = plain(vl_folder), AutoImageProcessor.from_pretrained(vl_folder)
-    with torch.no_grad():  # end tokens the model is likely to choose early, so that some beams end before the limit
-        likely = engine.model(input_ids=torch.tensor([prompts[3].ids])).logits[0, -1].topk(3).indices.tolist()
+    banned = [i for i in (reference.config.image_token_id, getattr(reference.config, "video_token_id", None)) if i is not None]
+    with torch.no_grad():  # end tokens the model is likely to choose early (not image tokens), so that some beams end before the limit
+        likely = engine.model(input_ids=torch.tensor([prompts[3].ids])).logits[0, -1].index_fill(0, torch.tensor(banned), -torch.inf)
+        likely = likely.topk(3).indices.tolist()
         for model in (engine.model, reference):  # the image token as likely as the likeliest (its embedding is never read: an
             output = model.get_output_embeddings().weight  # image's features take its place): only the ban keeps beams off it
             output[reference.config.image_token_id] = output[likely[0]]
     engine.end_ids = sorted(likely[1:])
     generations = SingleTurn(engine).generate(prompts, n=3, max_new_tokens=6, batch_size=6)
     assert [g.images is not None for g in generations] == [True] * 9 + [False] * 3
-    banned = [[i] for i in (reference.config.image_token_id, getattr(reference.config, "video_token_id", None)) if i is not None]
     for k, (prompt, row) in enumerate(zip(prompts, rows)):
         ids = torch.tensor([prompt.ids])
         inputs = {"input_ids": ids, "mm_token_type_ids": (ids == reference.config.image_token_id).int()}
         if row["images"]:
             inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]], return_tensors="pt"))
         output = reference.generate(**inputs, num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0, early_stopping=True,
-                                    max_new_tokens=6, eos_token_id=engine.end_ids, pad_token_id=tokenizer.pad_token_id, bad_words_ids=banned)
+                                    max_new_tokens=6, eos_token_id=engine.end_ids, pad_token_id=tokenizer.pad_token_id,
+                                    bad_words_ids=[[i] for i in banned])
         expected = []
         for beam in output[:, len(prompt.ids):].tolist():
             end = next((i for i, token in enumerate(beam) if token in engine.end_ids), None)
