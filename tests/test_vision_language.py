@@ -433,8 +433,9 @@ def test_beams_of_image_prompts_are_transformers_beam_search_with_the_images(vl_
 
 @pytest.mark.slow
 def test_grpo_over_catalog_beams_of_image_prompts(tmp_path):
-    """MiniOneRec's beam rollouts (rollout.beam_search over a catalog, the ranking reward) with image and text
-    prompts through `grpo_trainer` on 2 processes: each group's beams are distinct catalog items, and it trains."""
+    """MiniOneRec's beam rollouts (rollout.beam_search over a catalog, the ranking reward, add_gt) with image and text
+    prompts through `grpo_trainer` on 2 processes: each group's beams are distinct catalog items, the ground truth
+    among them with its prompt's image, and it trains."""
     from test_grpo import grpo_args
 
     folder = tmp_path / "model"
@@ -442,11 +443,11 @@ def test_grpo_over_catalog_beams_of_image_prompts(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     write_rows(data / "rl_train.parquet", rl_rows(8))
-    (data / "catalog.txt").write_text("4\n5\n6\n7\n12\n")
+    (data / "catalog.txt").write_text("".join(f"{item}\n" for item in range(4, 40)))  # 36 items: 4 beams mostly miss the answer
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(
         str(folder), data, out, data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__rollout__beam_search="true",
-        actor_rollout_ref__rollout__catalog_file=str(data / "catalog.txt"), custom_reward_function__path="null",
+        actor_rollout_ref__rollout__catalog_file=str(data / "catalog.txt"), custom_reward_function__path="null", actor_rollout_ref__rollout__add_gt="true",
         reward__sources="[{name:ranking,function:item_ranking,weight:1.0}]", trainer__total_training_steps=1,
         trainer__rollout_data_dir=f"{out}/rollouts"))
     (metrics,) = read_metrics(out)
@@ -455,8 +456,10 @@ def test_grpo_over_catalog_beams_of_image_prompts(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert sum("image_grid_thw" in row for row in dumped) == 12
     for first in range(0, len(dumped), 4):
-        answers = [tokenizer.decode(row["response_ids"], skip_special_tokens=True) for row in dumped[first : first + 4]]
-        assert len(set(answers)) == 4 and set(answers) <= {"4", "5", "6", "7", "12"}, answers
+        group = dumped[first : first + 4]
+        answers = [tokenizer.decode(row["response_ids"], skip_special_tokens=True) for row in group]
+        assert len(set(answers)) == 4 and {int(a) for a in answers} <= set(range(4, 40)) and "4" in answers, answers  # add_gt: the answer 4
+        assert len({str(row.get("image_grid_thw")) for row in group}) == 1  # the answer put in a beam's place is trained with the image
 
 
 def answering_model(folder: str, rows: list[dict], answer: str) -> None:

@@ -140,7 +140,7 @@ def with_answers(generations: list[Generation], prompts: Sequence[Prompt], n: in
     for i, prompt in enumerate(prompts):
         answer, group = answer_ids(prompt), generations[i * n : (i + 1) * n]
         if all(g.response_ids != answer for g in group):
-            generations[(i + 1) * n - 1] = Generation(group[-1].prompt_ids, answer, [1] * len(answer), None, truncated=False)
+            generations[(i + 1) * n - 1] = Generation(group[-1].prompt_ids, answer, [1] * len(answer), None, truncated=False, images=group[-1].images)
     return generations
 
 
