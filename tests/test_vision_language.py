@@ -84,9 +84,10 @@ def plan_args(folder: str, data: str):
                                     "data.max_length=512", "data.train_batch_size=4"])
 
 
-def reference_inputs(folder: str, row: dict) -> dict:
+def reference_inputs(folder: str, row: dict, generation_prompt: bool = False) -> dict:
     """A row's model inputs as transformers' processors make them: each image mark becomes the placeholder with its
-    image token repeated once per merged patch, in the text, before tokenizing."""
+    image token repeated once per merged patch, in the text, before tokenizing (with the next assistant turn's
+    opening where `generation_prompt`)."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     processor = AutoImageProcessor.from_pretrained(folder)
     config = AutoConfig.from_pretrained(folder)
@@ -96,7 +97,7 @@ def reference_inputs(folder: str, row: dict) -> dict:
     inputs = processor(images=images, return_tensors="pt") if images else {}
     grids = iter(inputs.get("image_grid_thw", []))
     messages = [{**m, "content": m["content"]} for m in row["messages"]]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     pieces = text.split("<image>")
     text = pieces[0] + "".join(start + image * (int(next(grids).prod()) // 4) + end + piece for piece in pieces[1:])
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -470,13 +471,9 @@ def answering_model(folder: str, rows: list[dict], answer: str) -> None:
     answer_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
     inputs = []
     for row in rows:
-        prompt = reference_inputs(folder, {"messages": row["prompt"] + [{"role": "assistant", "content": "x"}], "images": row["images"]})
-        ids = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-        length = len(tokenizer(ids.replace("<image>", ""), add_special_tokens=False)["input_ids"])  # the ids up to the answer, images expanded
-        length += sum(int(g.prod()) // 4 + 2 for g in prompt.get("image_grid_thw", []))
-        input_ids = torch.cat([prompt["input_ids"][0, :length], torch.tensor(answer_ids)])
+        prompt = reference_inputs(folder, {"messages": row["prompt"], "images": row["images"]}, generation_prompt=True)
         extra = {k: prompt[k] for k in ("pixel_values", "image_grid_thw") if k in prompt}
-        inputs.append((input_ids, length, extra))
+        inputs.append((torch.cat([prompt["input_ids"][0], torch.tensor(answer_ids)]), prompt["input_ids"].shape[1], extra))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(8):
         for input_ids, length, extra in inputs:
