@@ -122,6 +122,31 @@ def as_trained(folder: str, packed: bool, reference: torch.nn.Module) -> torch.n
     return model.eval()
 
 
+def plain_inputs(reference, processor, ids: list[int], images: list[dict]) -> dict:
+    """One sequence's inputs to a plain transformers forward with its row's images (the model computes its own 3-D
+    positions from `mm_token_type_ids`)."""
+    ids = torch.tensor(ids)
+    inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == reference.config.image_token_id).int()[None]}
+    if images:
+        inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in images], return_tensors="pt"))
+    return inputs
+
+
+def plain_logits(reference, processor, ids: list[int], images: list[dict]) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(**plain_inputs(reference, processor, ids, images)).logits[0]
+
+
+def trained_positions(values: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:
+    """A packed row's per-position values (log-probs, top-k) cut into each sample's, at the positions that predict
+    its trained tokens."""
+    pieces, start = [], 0
+    for sample in samples:
+        pieces.append(values[start : start + len(sample) - 1][sample.loss_mask[1:].bool()])
+        start += len(sample)
+    return pieces
+
+
 def test_rows_become_the_processors_ids_and_every_path_gives_a_plain_forwards_log_probs(vl_folder, tmp_path):
     # the last row asks the first row's question of another image of its size: the same ids, other patches
     rows = chats() + [{**chats()[0], "images": [{"bytes": picture(9, 20, 28), "path": None}]}]
@@ -255,6 +280,16 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, imag
 """
 
 
+def rl_run_files(tmp_path, rows: list[dict]) -> tuple[Path, Path]:
+    """A tiny Qwen2.5-VL's folder and a data folder with `rows` as rl_train.parquet and RL_REWARD as reward.py."""
+    folder, data = tmp_path / "model", tmp_path / "data"
+    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
+    data.mkdir()
+    write_rows(data / "rl_train.parquet", rows)
+    (data / "reward.py").write_text(RL_REWARD)
+    return folder, data
+
+
 def test_a_reward_function_that_asks_for_images_is_given_each_rows_images(tmp_path):
     """A reward function with an `images` parameter gets its prompt's images (RGB, in their marks' order; none
     for a text row), on its own and as a reward source; one without it is called as verl calls it."""
@@ -319,14 +354,9 @@ def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution
     reference, processor = plain(vl_folder), AutoImageProcessor.from_pretrained(vl_folder)
     expected, expected_top = [], []
     for index, generation in enumerate(generations):
-        ids = torch.tensor(generation.prompt_ids + generation.response_ids)
-        inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == reference.config.image_token_id).int()[None]}
-        row = rows[index // 3]
-        if row["images"]:
-            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]], return_tensors="pt"))
-        with torch.no_grad():
-            logits = reference(**inputs).logits[0]
-        want = logits[:-1].log_softmax(-1).gather(1, ids[1:, None]).squeeze(1)[len(generation.prompt_ids) - 1 :]
+        ids = generation.prompt_ids + generation.response_ids
+        logits = plain_logits(reference, processor, ids, rows[index // 3]["images"])
+        want = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)[len(generation.prompt_ids) - 1 :]
         torch.testing.assert_close(torch.tensor(generation.log_probs), want, atol=1e-4, rtol=0, msg=f"rollout: response {index}")
         expected.append(want)
         expected_top.append(logits[len(generation.prompt_ids) - 1 : -1].log_softmax(-1).topk(3, dim=-1))
@@ -336,14 +366,11 @@ def test_the_hf_rollout_samples_image_prompts_from_a_plain_forwards_distribution
     with torch.no_grad():
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16, token_rows=batch.token_rows)
         top_values, top_ids = token_top_k(model, batch.inputs, batch.targets["labels"], 3, chunk_tokens=16, token_rows=batch.token_rows)
-    start = 0
-    for index, (sample, want, (want_values, want_ids)) in enumerate(zip(samples, expected, expected_top)):
-        got = log_probs.reshape(-1)[start : start + len(sample) - 1][sample.loss_mask[1:].bool()]
+    pieces = zip(trained_positions(log_probs.reshape(-1), samples), trained_positions(top_values, samples), trained_positions(top_ids, samples))
+    for index, ((got, got_values, got_ids), want, (want_values, want_ids)) in enumerate(zip(pieces, expected, expected_top)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"trainer: response {index}")
-        # a distillation teacher's top-k, from the same packed row
-        torch.testing.assert_close(top_values[start : start + len(sample) - 1][sample.loss_mask[1:].bool()], want_values, atol=1e-4, rtol=0)
-        assert torch.equal(top_ids[start : start + len(sample) - 1][sample.loss_mask[1:].bool()], want_ids), f"top-k: response {index}"
-        start += len(sample)
+        torch.testing.assert_close(got_values, want_values, atol=1e-4, rtol=0)  # a distillation teacher's top-k, from the same row
+        assert torch.equal(got_ids, want_ids), f"top-k: response {index}"
 
 
 def test_a_critics_values_of_image_prompts_are_its_backbones_plain_forward_through_its_head(vl_folder, tmp_path):
@@ -358,23 +385,21 @@ def test_a_critics_values_of_image_prompts_are_its_backbones_plain_forward_throu
     from fsdptrain.rl.samples import make_samples
 
     config = AutoConfig.from_pretrained(vl_folder, num_labels=1)
-    tokenizer = AutoTokenizer.from_pretrained(vl_folder)
-    prompts = load_prompts([write_rows(tmp_path / "rl.parquet", rl_rows(4))], tokenizer,
+    tokenizer, rows = AutoTokenizer.from_pretrained(vl_folder), rl_rows(4)
+    prompts = load_prompts([write_rows(tmp_path / "rl.parquet", rows)], tokenizer,
                            images=image_reader(vl_folder, "model", "images", tokenizer, config, False))
     g = torch.Generator().manual_seed(0)
     generations = [Generation(p.ids, response, [1] * len(response), None, False, images=p.images)
                    for p in prompts for response in (torch.randint(3, 300, (int(torch.randint(2, 9, (), generator=g)),), generator=g).tolist()
                                                      for _ in range(2))]
     samples = make_samples(generations, mask_truncated=False)
-    backbone = plain(vl_folder).model
+    backbone, processor = plain(vl_folder).model, AutoImageProcessor.from_pretrained(vl_folder)
     head = torch.nn.Linear(config.get_text_config().hidden_size, 1)
     expected = []
-    for sample, generation in zip(samples, generations):
-        inputs = {"input_ids": sample.input_ids[None], "mm_token_type_ids": (sample.input_ids == config.image_token_id).int()[None],
-                  **(generation.images.inputs if generation.images is not None else {})}
+    for index, sample in enumerate(samples):
         with torch.no_grad():
-            values = head(backbone(**inputs).last_hidden_state[0]).squeeze(1)
-        expected.append(values[:-1][sample.loss_mask[1:].bool()])
+            hidden = backbone(**plain_inputs(backbone, processor, sample.input_ids.tolist(), rows[index // 2]["images"])).last_hidden_state[0]
+        expected.append(head(hidden).squeeze(1)[:-1][sample.loss_mask[1:].bool()])
     for layout, packed, share in (("shared prompt", True, True), ("padded", False, False)):
         critic = build_on_meta(config, LOADING, packed, AutoModelForTokenClassification)
         critic.to_empty(device="cpu")
@@ -418,11 +443,7 @@ def test_beams_of_image_prompts_are_transformers_beam_search_with_the_images(vl_
     generations = SingleTurn(engine).generate(prompts, n=3, max_new_tokens=6, batch_size=6)
     assert [g.images is not None for g in generations] == [True] * 9 + [False] * 3
     for k, (prompt, row) in enumerate(zip(prompts, rows)):
-        ids = torch.tensor([prompt.ids])
-        inputs = {"input_ids": ids, "mm_token_type_ids": (ids == reference.config.image_token_id).int()}
-        if row["images"]:
-            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]], return_tensors="pt"))
-        output = reference.generate(**inputs, num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0, early_stopping=True,
+        output = reference.generate(**plain_inputs(reference, processor, prompt.ids, row["images"]), num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0, early_stopping=True,
                                     max_new_tokens=6, eos_token_id=engine.end_ids, pad_token_id=tokenizer.pad_token_id,
                                     bad_words_ids=[[i] for i in banned])
         expected = []
@@ -527,14 +548,9 @@ def test_multi_turn_trajectories_of_image_prompts_read_their_images_every_turn(t
     reference, processor = plain(folder), AutoImageProcessor.from_pretrained(folder)
     expected = []
     for index, generation in enumerate(generations):
-        ids = torch.tensor(generation.prompt_ids + generation.response_ids)
-        inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == reference.config.image_token_id).int()[None]}
-        row = rows[index // 2]
-        if row["images"]:
-            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"]], return_tensors="pt"))
-        with torch.no_grad():
-            logits = reference(**inputs).logits[0]
-        want = logits[:-1].log_softmax(-1).gather(1, ids[1:, None]).squeeze(1)[len(generation.prompt_ids) - 1 :]
+        ids = generation.prompt_ids + generation.response_ids
+        logits = plain_logits(reference, processor, ids, rows[index // 2]["images"])
+        want = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)[len(generation.prompt_ids) - 1 :]
         trained = torch.tensor(generation.response_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(generation.log_probs)[trained], want[trained], atol=1e-4, rtol=0, msg=f"rollout: {index}")
         expected.append(want[trained])
@@ -543,11 +559,8 @@ def test_multi_turn_trajectories_of_image_prompts_read_their_images_every_turn(t
     batch = collate_packed(samples, share_prefixes=True)
     with torch.no_grad():
         log_probs, _ = token_log_probs(model, batch.inputs, batch.targets["labels"], 1.0, chunk_tokens=16, token_rows=batch.token_rows)
-    start = 0
-    for index, (sample, want) in enumerate(zip(samples, expected)):
-        got = log_probs.reshape(-1)[start : start + len(sample) - 1][sample.loss_mask[1:].bool()]
+    for index, (got, want) in enumerate(zip(trained_positions(log_probs.reshape(-1), samples), expected)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"trainer: response {index}")
-        start += len(sample)
 
 
 @pytest.mark.slow
@@ -585,11 +598,7 @@ def test_a_multi_turn_grpo_run_with_image_prompts_trains_through_an_environment(
 def test_grpo_trains_on_image_and_text_prompts_on_2_processes_and_resumes_exactly(tmp_path):
     from test_grpo import grpo_args
 
-    folder = tmp_path / "model"
-    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
-    data = tmp_path / "data"
-    data.mkdir()
-    write_rows(data / "rl_train.parquet", rl_rows(16))
+    folder, data = rl_run_files(tmp_path, rl_rows(16))
     write_rows(data / "rl_val.parquet", rl_rows(4))
     (data / "reward.py").write_text(RL_REWARD + "\n\ndef seeing(data_source, solution_str, ground_truth, extra_info=None, images=None):\n"
                                     "    return {**compute_score(data_source, solution_str, ground_truth), 'image_count': float(len(images))}\n")
@@ -626,12 +635,7 @@ def test_ppo_with_a_vision_language_critic_trains_on_image_and_text_prompts_and_
 
     from test_grpo import grpo_args
 
-    folder = tmp_path / "model"
-    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
-    data = tmp_path / "data"
-    data.mkdir()
-    write_rows(data / "rl_train.parquet", rl_rows(16))
-    (data / "reward.py").write_text(RL_REWARD)
+    folder, data = rl_run_files(tmp_path, rl_rows(16))
     common = dict(PPO, data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__model__fsdp_config__model_dtype="fp32",
                   critic__model__fsdp_config__model_dtype="fp32", trainer__save_freq=1)
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
@@ -683,12 +687,8 @@ def test_a_vision_language_reward_model_scores_each_response_with_its_prompts_im
     expected = []
     for row in dumped:
         images = rows[int(row["prompt"][0]["content"].rsplit("(row ", 1)[1].rstrip(")"))]["images"]
-        ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
-        inputs = {"input_ids": ids[None], "mm_token_type_ids": (ids == config.image_token_id).int()[None]}
-        if images:
-            inputs.update(processor(images=[Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in images], return_tensors="pt"))
         with torch.no_grad():
-            last = backbone(**inputs).last_hidden_state[0, -1]
+            last = backbone(**plain_inputs(backbone, processor, row["prompt_ids"] + row["response_ids"], images)).last_hidden_state[0, -1]
         expected.append(float(last @ head["score.weight"][0] + head["score.bias"][0]))
     assert [row["source/reward_model"] for row in dumped] == pytest.approx(expected, abs=1e-4)
     assert len({round(value, 3) for value in expected}) > 8
@@ -710,12 +710,7 @@ def test_the_asynchronous_modes_with_nothing_in_flight_train_image_prompts_as_th
 
     from test_grpo import grpo_args
 
-    folder = tmp_path / "model"
-    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
-    data = tmp_path / "data"
-    data.mkdir()
-    write_rows(data / "rl_train.parquet", rl_rows(16))
-    (data / "reward.py").write_text(RL_REWARD)
+    folder, data = rl_run_files(tmp_path, rl_rows(16))
     common = dict(data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__model__fsdp_config__model_dtype="fp32")
     runs = {"sync": (2, {}), "separate": (4, {**SEPARATE, "actor_rollout_ref__rollout__n_gpus_per_node": 2,
                                                "trainer__v1__separate_async__parameter_sync_step": 1,
@@ -744,12 +739,7 @@ def test_lora_grpo_of_a_vision_language_model_adapts_its_decoder_and_samples_fro
 
     from test_grpo import grpo_args
 
-    folder = tmp_path / "model"
-    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
-    data = tmp_path / "data"
-    data.mkdir()
-    write_rows(data / "rl_train.parquet", rl_rows(8))
-    (data / "reward.py").write_text(RL_REWARD)
+    folder, data = rl_run_files(tmp_path, rl_rows(8))
     out = str(tmp_path / "run")
     torchrun(2, "fsdptrain.grpo_trainer", grpo_args(
         str(folder), data, out, data__max_prompt_length=256, data__val_files="null", actor_rollout_ref__model__lora_rank=4,
@@ -779,13 +769,8 @@ def test_a_distillation_teacher_reads_the_policys_images(tmp_path, capsys):
 
     from test_grpo import grpo_args
 
-    folder = tmp_path / "model"
-    make_tiny.tiny_vision_language("qwen2_5_vl", make_tiny.trained_tokenizer(), seed=0, out=str(folder))
-    data = tmp_path / "data"
-    data.mkdir()
-    write_rows(data / "rl_train.parquet", rl_rows(8))
+    folder, data = rl_run_files(tmp_path, rl_rows(8))
     write_rows(data / "rl_val.parquet", rl_rows(4))
-    (data / "reward.py").write_text(RL_REWARD)
     out = str(tmp_path / "run")
     distilling = dict(data__max_prompt_length=256, actor_rollout_ref__model__fsdp_config__model_dtype="fp32", distillation__enabled="true",
                       distillation__teacher_models__teacher_model__model_path=str(folder), distillation__distillation_loss__loss_mode="forward_kl_topk",
