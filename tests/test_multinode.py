@@ -160,3 +160,11 @@ def test_a_beating_rank_exits_cleanly_after_end_run(attempt):
     result = torchrun(4, "tests.checks.heartbeat_exit_check", [], check=False)
     assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.count("left False") == 4
+
+
+def test_every_group_of_a_mesh_waits_the_runs_timeout():
+    """A rank stuck in a mesh group's collective (a lost node's peer) gives up after trainer.nccl_timeout, so that
+    the roll call above names the lost ranks in time; a group built with torch's default would wait 30 minutes."""
+    result = torchrun(4, "tests.checks.mesh_timeout_check", [], check=False)
+    assert result.returncode == 0 and result.stdout.count("ok") == 4, (result.stdout + result.stderr)[-3000:]
+

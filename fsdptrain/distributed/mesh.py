@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdptrain.errors import ConfigError
 
@@ -20,8 +20,8 @@ class Parallel:
     ranks are -1)."""
 
     device: torch.device
-    mesh: DeviceMesh  # 2-D, dims ("dp", "sp"), over the training ranks
-    fsdp_mesh: DeviceMesh  # 1-D over every training rank: parameters shard over dp and sp alike
+    mesh: DeviceMesh | None  # 2-D, dims ("dp", "sp"), over the training ranks (None on a standalone rollout rank)
+    fsdp_mesh: DeviceMesh | None  # 1-D over every training rank: parameters shard over dp and sp alike
     rank: int
     world_size: int  # the training ranks: 0 .. world_size - 1
     dp_rank: int
@@ -30,6 +30,7 @@ class Parallel:
     sp_size: int
     group: dist.ProcessGroup | None = None  # the training ranks' collectives; None: torchrun's whole world trains
     rollout_ranks: int = 0  # torchrun's last ranks, which only generate
+    timeout: timedelta = timedelta(minutes=30)  # how long every group's collectives wait for a rank
     hybrid_meshes: dict[int, DeviceMesh] = field(default_factory=dict)  # by shard group size, built once each
 
     def sharding_mesh(self, fsdp_size: int) -> DeviceMesh:
@@ -40,7 +41,7 @@ class Parallel:
             return self.fsdp_mesh
         if fsdp_size not in self.hybrid_meshes:
             self.hybrid_meshes[fsdp_size] = training_mesh(self.device, (self.world_size // fsdp_size, fsdp_size), ("replicate", "shard"),
-                                                          self.rollout_ranks)
+                                                          self.timeout)
         return self.hybrid_meshes[fsdp_size]
 
     @property
@@ -107,12 +108,19 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def training_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], rollout_ranks: int) -> DeviceMesh:
-    """A mesh of `shape` over the training ranks: torchrun's whole world, or all but its last `rollout_ranks`
-    (every rank builds it, as a process group's creation asks)."""
-    if not rollout_ranks:
-        return init_device_mesh(device.type, shape, mesh_dim_names=names)
-    return DeviceMesh(device.type, torch.arange(math.prod(shape)).view(shape), mesh_dim_names=names)
+def training_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta) -> DeviceMesh | None:
+    """A mesh of `shape` over the first ranks of torchrun's world (all but its standalone rollout ranks, for which
+    it is None), each of its groups waiting `timeout` for a rank: a mesh's own groups would wait torch's default
+    (30 minutes under gloo) whatever the run's process group was given, and a rank stuck in one would outlive
+    trainer.nccl_timeout. Every rank of the world builds every group, as new_group asks."""
+    ranks, rank, world_size = torch.arange(math.prod(shape)).view(shape), dist.get_rank(), dist.get_world_size()
+    own = []
+    for dim, size in enumerate(shape):
+        for members in ranks.movedim(dim, -1).reshape(-1, size).tolist():
+            group = dist.group.WORLD if size == world_size else dist.new_group(members, timeout=timeout)
+            if rank in members:
+                own.append(group)
+    return DeviceMesh.from_group(own, device.type, mesh=ranks, mesh_dim_names=names) if rank < ranks.numel() else None
 
 
 def init_parallel(device_preference: str, sp_size: int, timeout_s: float = 1800, rollout_ranks: int = 0) -> Parallel:
@@ -129,8 +137,9 @@ def init_parallel(device_preference: str, sp_size: int, timeout_s: float = 1800,
             torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    mesh = training_mesh(device, (world_size // sp_size, sp_size), ("dp", "sp"), rollout_ranks)
-    fsdp_mesh = training_mesh(device, (world_size,), ("fsdp",), rollout_ranks)
+    timeout = timedelta(seconds=timeout_s)
+    mesh = training_mesh(device, (world_size // sp_size, sp_size), ("dp", "sp"), timeout)
+    fsdp_mesh = training_mesh(device, (world_size,), ("fsdp",), timeout)
     rank = dist.get_rank()
     trains = rank < world_size
     return Parallel(
@@ -145,4 +154,5 @@ def init_parallel(device_preference: str, sp_size: int, timeout_s: float = 1800,
         sp_size=sp_size,
         group=fsdp_mesh.get_group() if rollout_ranks and trains else None,
         rollout_ranks=rollout_ranks,
+        timeout=timeout,
     )
