@@ -80,6 +80,21 @@ def test_hf_engine_prefills_a_batchs_common_prefix_once(tiny_llama):
         assert_plain_greedy_answers(engine, generations, max_new_tokens=6)
 
 
+def test_hf_engine_batches_prompts_of_a_length_together(tiny_llama):
+    """Prompts that fill several batches are batched shortest first, so that a batch pads little: here two batches
+    of lengths (1, 2) and (6, 7) prefill 4 + 14 positions, where the prompts' own order would pad to 14 + 12; the
+    answers come back in the prompts' order and are plain generate's on each prompt alone."""
+    engine = HFRollout(tiny_llama, torch.device("cpu"), torch.float32, pad_id=2)
+    prompts = [[30, 31, 32, 33, 34, 35, 36], [7], [5, 17, 42, 8, 9, 23], [11, 12]]
+    forwarded = []
+    engine.model.get_input_embeddings().register_forward_pre_hook(lambda module, args: forwarded.append(tuple(args[0].shape)))
+    generations = engine.generate(prompts, n=1, max_new_tokens=6, batch_size=2, do_sample=False, calculate_log_probs=True)
+    prefills = [shape for shape in forwarded if shape[1] > 1]
+    assert prefills == [(2, 2), (2, 7)], forwarded
+    assert [g.prompt_ids for g in generations] == prompts
+    assert_plain_greedy_answers(engine, generations, max_new_tokens=6)
+
+
 def test_hf_engine_rows_that_end_early_leave_the_others_right(tiny_llama):
     """End tokens taken from sampled answers, so that the rows of a batch end at different steps and the rows
     still going are forwarded alone: each answer's log-probs are still those of one forward pass over its own

@@ -236,10 +236,14 @@ def generate(
     model's generation_config), the distribution whose log-probs the trainer computes. With `refresh` (partial
     rollouts), each response token carries the version of the weights that drew it. A vision-language model's
     prompt `images` (one a prompt, None for a text prompt) are prefilled with their prompts. `share_prefix`: a
-    batch's common prompt prefix is prefilled once (`prefill`)."""
+    batch's common prompt prefix is prefilled once (`prefill`). Prompts that fill more than one batch are batched
+    in the order of their lengths, then of their tokens: a batch pads its prompts to its longest and shares the
+    prefix they all begin with; the responses come back in the prompts' order."""
     warp = warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), list(prompts[i]))) if len(prompts) * n > batch_size else range(len(prompts))
+    images = images or [None] * len(prompts)
     generations = []
-    for distinct, copies in group_batches(list(zip(prompts, images or [None] * len(prompts))), n, batch_size):
+    for distinct, copies in group_batches([(prompts[i], images[i]) for i in order], n, batch_size):
         distinct_ids, distinct_images = [ids for ids, _ in distinct], [image for _, image in distinct]
         cache, logits, attention_mask, positions = prefill(model, distinct_ids, pad_id, distinct_images, share_prefix)
         cache.reorder_cache(torch.arange(len(distinct), device=logits.device).repeat_interleave(copies))
@@ -252,7 +256,10 @@ def generate(
             sampled = decoded.log_probs[row, :kept].tolist() if calculate_log_probs else None
             drawn_by = decoded.versions[row, :kept].tolist() if refresh is not None else None
             generations.append(Generation(batch[row], ids, [1] * kept, sampled, not ids or ids[-1] not in end_ids, versions=drawn_by))
-    return generations
+    in_order = [None] * len(generations)
+    for place, prompt in enumerate(order):
+        in_order[prompt * n : (prompt + 1) * n] = generations[place * n : (place + 1) * n]
+    return in_order
 
 
 @torch.no_grad()
