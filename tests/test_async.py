@@ -299,7 +299,8 @@ def test_a_request_drawn_in_pieces_tags_each_group_by_the_weights_of_its_first_t
 
     torch.manual_seed(0)
     refresh = WeightsRefresh(load, 0)
-    generations = generate(engine, [[5, 6, 7, 8], [9, 10, 11], [12, 13]], n=2, max_new_tokens=8, batch_size=2,
+    # shortest first: the engine draws prompts that fill several batches in the order of their lengths
+    generations = generate(engine, [[12, 13], [9, 10, 11], [5, 6, 7, 8]], n=2, max_new_tokens=8, batch_size=2,
                            end_ids=end_token_ids(engine, 0), pad_id=0, refresh=refresh)
     assert all(len(g.versions) == 8 for g in generations)  # a random model runs to the limit: 7 looks a piece
     versions = group_versions(generations, n=2, started=0)
